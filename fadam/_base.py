@@ -1,0 +1,202 @@
+"""The transform protocol: ``GradientTransformation(init, update)`` and the functions every chain is built from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from fadam._dispatch import is_plain
+from fadam._tree import PyTree, check_leaves, tree_map
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "GradientTransformationExtraArgs",
+    "Schedule",
+    "ScalarOrSchedule",
+    "apply_updates",
+    "identity",
+    "set_to_zero",
+    "stateless",
+    "stateless_with_tree_map",
+    "step",
+]
+
+Schedule = Callable[[torch.Tensor], torch.Tensor | float]
+ScalarOrSchedule = float | torch.Tensor | Schedule
+
+
+class InitFn(Protocol):
+    def __call__(self, params: PyTree) -> PyTree: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PyTree]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions.
+
+    ``init(params) -> state`` builds the state; ``update(updates, state, params=None, **extra_args) -> (updates,
+    state)`` transforms gradients into updates and returns the new state. Neither mutates its inputs. Every fadam
+    ``update`` accepts and ignores extra keyword arguments it does not use, so ``GradientTransformationExtraArgs`` is
+    the same type.
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+GradientTransformationExtraArgs = GradientTransformation
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def identity() -> GradientTransformation:
+    """Returns updates unchanged.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.identity()
+        >>> tx.update({"w": torch.ones(2)}, tx.init({"w": torch.zeros(2)}))[0]["w"]
+        tensor([1., 1.])
+    """
+    return GradientTransformation(
+        lambda params: EmptyState(), lambda updates, state, params=None, **_: (updates, state)
+    )
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replaces every update with zeros (a frozen parameter, typically inside ``partition``).
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.set_to_zero().update({"w": torch.ones(2)}, fadam.EmptyState())[0]["w"]
+        tensor([0., 0.])
+    """
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
+        return tree_map(lambda g: None if g is None else torch.zeros_like(g), updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def stateless(fn: Callable[[PyTree, PyTree | None], PyTree]) -> GradientTransformation:
+    """Builds a stateless transform from ``fn(updates, params) -> updates``.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.stateless(lambda u, p: fadam.tree_scale(u, 2.0))
+        >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
+        [tensor([2.])]
+    """
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
+        return fn(updates, params), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> GradientTransformation:
+    """Builds a stateless transform applying ``fn(update, param) -> update`` leaf by leaf (``None`` updates skipped).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.stateless_with_tree_map(lambda g, p: g.sign())
+        >>> tx.update([torch.tensor([-3.0])], fadam.EmptyState())[0]
+        [tensor([-1.])]
+    """
+
+    def per_leaf(updates: PyTree, params: PyTree | None) -> PyTree:
+        if params is None:
+            return tree_map(lambda g: None if g is None else fn(g, None), updates)
+        return tree_map(lambda g, p: None if g is None else fn(g, p), updates, params)
+
+    return stateless(per_leaf)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Returns ``params + updates`` as new tensors; each result keeps its param's dtype. A ``None`` update leaves its
+    param as it is (torch.optim skips a param whose gradient is ``None``).
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})["w"]
+        tensor([1.5000, 1.5000], dtype=torch.bfloat16)
+    """
+    update_leaves, param_leaves, spec = check_leaves(updates, params)
+    new = [
+        p if u is None else p + (u if u.dtype == p.dtype else u.to(p.dtype))
+        for p, u in zip(param_leaves, update_leaves)
+    ]
+    return spec.unflatten(new)
+
+
+FusedStep = Callable[[PyTree, PyTree, PyTree, bool], "tuple[PyTree, PyTree] | None"]
+
+
+class FusibleUpdate:
+    """An ``update`` function that also knows an equivalent fused step for ``fadam.step``.
+
+    Calling it is calling ``update``. ``fused_step(params, grads, state, donate)`` returns ``(params, state)`` computed
+    by a fused multi-tensor kernel, or ``None`` when the inputs do not allow one (a ``None`` gradient, tensors that
+    autograd or ``torch.func`` must see, unsupported dtypes); ``fadam.step`` then takes the general path.
+    """
+
+    def __init__(self, update: UpdateFn, fused_step: FusedStep) -> None:
+        self._update = update
+        self.fused_step = fused_step
+
+    def __call__(
+        self, updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PyTree]:
+        return self._update(updates, state, params, **extra_args)
+
+
+def step(
+    tx: GradientTransformation,
+    params: PyTree,
+    grads: PyTree,
+    state: PyTree,
+    *,
+    donate: bool = False,
+    **extra_args: Any,
+) -> tuple[PyTree, PyTree]:
+    """One optimizer step: ``update`` then ``apply_updates``, returning ``(new_params, new_state)``.
+
+    With ``donate=False`` (the default) nothing passed in is modified. With ``donate=True`` the caller gives up
+    ``params`` and ``state``: their buffers may be overwritten with the results (like buffer donation in JAX), so a
+    step allocates no new param-sized tensors; read only the returned values afterwards. Either way, when ``tx`` is an
+    alias that matches a fused torch kernel (``adam``, ``adamw``, ``sgd``) and the tensors allow it, the step runs that
+    kernel; otherwise it runs ``tx.update`` and adds the updates. Inputs are checked before anything is written.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.sgd(lr=0.5)
+        >>> params, state = {"w": torch.ones(2)}, tx.init({"w": torch.ones(2)})
+        >>> params, state = fadam.step(tx, params, {"w": torch.ones(2)}, state, donate=True)
+        >>> params["w"]
+        tensor([0.5000, 0.5000])
+    """
+    fused_step = getattr(tx.update, "fused_step", None)
+    if fused_step is not None and not extra_args:
+        result = fused_step(params, grads, state, donate)
+        if result is not None:
+            return result
+    updates, new_state = tx.update(grads, state, params, **extra_args)
+    if not donate:
+        return apply_updates(params, updates), new_state
+    update_leaves, param_leaves, _ = check_leaves(updates, params)
+    if not all(is_plain(p) for p in param_leaves):
+        return apply_updates(params, updates), new_state
+    with torch.no_grad():
+        for p, u in zip(param_leaves, update_leaves):
+            if u is not None:
+                p.add_(u.to(p.dtype))
+    return params, new_state

@@ -1,0 +1,145 @@
+"""Tree math on optree shared by every transform, and path-aware input checks.
+
+Params, updates and state are pytrees of tensors. ``None`` is treated as a leaf here (``none_is_leaf=True``) so that a
+missing gradient keeps its place in the tree: torch.optim skips a param whose ``.grad`` is ``None``, and fadam does the
+same leaf by leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+PyTree = Any
+
+__all__ = [
+    "PyTree",
+    "tree_add",
+    "tree_cast",
+    "tree_flatten",
+    "tree_global_norm",
+    "tree_leaves",
+    "tree_map",
+    "tree_paths",
+    "tree_scale",
+    "tree_sub",
+    "tree_zeros_like",
+    "path_str",
+]
+
+
+def tree_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` keeping ``None`` leaves in place."""
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def tree_leaves(tree: PyTree) -> list[Any]:
+    return optree.tree_leaves(tree, none_is_leaf=True)
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``optree.tree_map`` with ``None`` as a leaf; ``fn`` receives ``None`` for a missing gradient."""
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=True)
+
+
+def tree_paths(tree: PyTree) -> list[str]:
+    """Readable path of every leaf, e.g. ``['fc1.weight']`` or ``[0].mu['w']``."""
+    return [path_str(p) for p in optree.tree_paths(tree, none_is_leaf=True)]
+
+
+def path_str(path: Sequence[Any]) -> str:
+    if not path:
+        return "<root>"
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def _skip_none(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor | None]:
+    def apply(x: torch.Tensor | None, *rest: Any) -> torch.Tensor | None:
+        return None if x is None else fn(x, *rest)
+
+    return apply
+
+
+def tree_add(a: PyTree, b: PyTree, alpha: float = 1.0) -> PyTree:
+    """``a + alpha * b`` leaf by leaf."""
+    return tree_map(_skip_none(lambda x, y: x + y if alpha == 1.0 else x + alpha * y), a, b)
+
+
+def tree_sub(a: PyTree, b: PyTree) -> PyTree:
+    return tree_map(_skip_none(lambda x, y: x - y), a, b)
+
+
+def tree_scale(tree: PyTree, factor: float | torch.Tensor) -> PyTree:
+    return tree_map(_skip_none(lambda x: x * factor), tree)
+
+
+def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    return tree_map(_skip_none(lambda x: torch.zeros_like(x, dtype=dtype)), tree)
+
+
+def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
+    """Casts floating leaves to ``dtype`` (``None`` keeps them); integer and bool leaves are left alone."""
+    if dtype is None:
+        return tree
+    return tree_map(_skip_none(lambda x: x.to(dtype) if x.is_floating_point() or x.is_complex() else x), tree)
+
+
+def tree_global_norm(tree: PyTree) -> torch.Tensor:
+    """L2 norm over all elements of all leaves (complex leaves by modulus), as a 0-d tensor."""
+    leaves = [x for x in tree_leaves(tree) if x is not None]
+    if not leaves:
+        return torch.zeros([])
+    squares = [torch.linalg.vector_norm(x) ** 2 for x in leaves]
+    return torch.sqrt(sum(squares[1:], squares[0]))
+
+
+def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> str:
+    """Names the first path where ``tree`` and ``like`` differ in structure."""
+    paths = optree.tree_paths(tree, none_is_leaf=True)
+    like_paths = optree.tree_paths(like, none_is_leaf=True)
+    for path, like_path in zip(paths, like_paths):
+        if path != like_path:
+            return f"{what} has a leaf at {path_str(path)} where {like_what} has {path_str(like_path)}"
+    if len(paths) != len(like_paths):
+        longer, name = (paths, what) if len(paths) > len(like_paths) else (like_paths, like_what)
+        extra = longer[min(len(paths), len(like_paths))]
+        return f"{name} has an extra leaf at {path_str(extra)} ({len(paths)} leaves vs {len(like_paths)})"
+    spec, like_spec = optree.tree_structure(tree, none_is_leaf=True), optree.tree_structure(like, none_is_leaf=True)
+    return f"{what} has structure {spec} but {like_what} has {like_spec}"
+
+
+def check_leaves(
+    updates: PyTree, like: PyTree, *, what: str = "updates", like_what: str = "params"
+) -> tuple[list[Any], list[Any], optree.PyTreeSpec]:
+    """Flattens ``updates`` and ``like`` together, raising before any math if they cannot be used together.
+
+    Checks, naming the leaf's path: equal tree structure, every update a dense ``torch.Tensor`` or ``None``, and the
+    same shape and device as the corresponding leaf of ``like``. Returns both leaf lists and the tree spec.
+    """
+    leaves, spec = tree_flatten(updates)
+    like_leaves, like_spec = tree_flatten(like)
+    if spec != like_spec:
+        raise ValueError(f"{what} do not match {like_what}: {describe_mismatch(updates, like, what, like_what)}")
+    for index, (leaf, ref) in enumerate(zip(leaves, like_leaves)):
+        if leaf is None:
+            continue
+        problem = _leaf_problem(leaf, ref)
+        if problem:
+            raise ValueError(f"{what} leaf at {path_str(spec.paths()[index])}: {problem}")
+    return leaves, like_leaves, spec
+
+
+def _leaf_problem(leaf: Any, ref: Any) -> str | None:
+    if not isinstance(leaf, torch.Tensor):
+        return f"expected a torch.Tensor or None, got {type(leaf).__name__}"
+    if leaf.layout != torch.strided:
+        return f"sparse or non-strided tensors ({leaf.layout}) are not supported; densify the gradient first"
+    if isinstance(ref, torch.Tensor):
+        if leaf.shape != ref.shape:
+            return f"shape {tuple(leaf.shape)} does not match expected {tuple(ref.shape)}"
+        if leaf.device != ref.device:
+            return f"device {leaf.device} does not match expected {ref.device}"
+    return None

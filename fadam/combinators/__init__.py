@@ -1,0 +1,1 @@
+"""Transforms built from other transforms."""

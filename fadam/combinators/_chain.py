@@ -1,0 +1,66 @@
+"""Composition: ``chain`` and ``named_chain``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fadam._base import GradientTransformation
+from fadam._tree import PyTree
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies transforms in order; the state is the tuple of their states.
+
+    Extra keyword arguments given to ``update`` reach every transform in the chain.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.chain(fadam.clip(1.0), fadam.scale(-0.1))
+        >>> tx.update([torch.tensor([5.0])], tx.init([torch.zeros(1)]))[0]
+        [tensor([-0.1000])]
+    """
+    for index, tx in enumerate(transforms):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"chain argument {index} is a {type(tx).__name__}, expected a GradientTransformation")
+
+    def init(params: PyTree) -> tuple[PyTree, ...]:
+        return tuple(tx.init(params) for tx in transforms)
+
+    def update(
+        updates: PyTree, state: tuple[PyTree, ...], params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, tuple[PyTree, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(f"chain of {len(transforms)} transforms got a state that is not a tuple of that length")
+        new_states = []
+        for tx, tx_state in zip(transforms, state):
+            updates, tx_state = tx.update(updates, tx_state, params, **extra_args)
+            new_states.append(tx_state)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like ``chain``, with each state stored under a name: the state is a dict ``name -> state``.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.named_chain(("adam", fadam.scale_by_adam()), ("lr", fadam.scale(-1e-3)))
+        >>> sorted(tx.init({"w": torch.zeros(2)}))
+        ['adam', 'lr']
+    """
+    names = [name for name, _ in transforms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain names must be unique, got {names}")
+    inner = chain(*(tx for _, tx in transforms))
+
+    def init(params: PyTree) -> dict[str, PyTree]:
+        return dict(zip(names, inner.init(params)))
+
+    def update(
+        updates: PyTree, state: dict[str, PyTree], params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, dict[str, PyTree]]:
+        updates, states = inner.update(updates, tuple(state[name] for name in names), params, **extra_args)
+        return updates, dict(zip(names, states))
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,133 @@
+"""Selecting leaves: ``masked`` and ``partition`` (the functional form of torch.optim's param groups)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+
+from fadam._base import GradientTransformation
+from fadam._tree import PyTree, path_str, tree_flatten
+
+
+class MaskedNode(NamedTuple):
+    """Stands in for an unselected leaf: a pytree node with no leaves, so the inner transform allocates nothing."""
+
+
+class MaskedState(NamedTuple):
+    inner_state: PyTree
+
+
+class PartitionState(NamedTuple):
+    inner_states: dict[Hashable, MaskedState]
+
+
+def _full_tree(prefix_or_fn: PyTree | Callable[[PyTree], PyTree], tree: PyTree, what: str) -> list[Any]:
+    """Leaves of ``prefix_or_fn`` (a callable of ``tree``, or a prefix tree of it) broadcast to ``tree``'s leaves."""
+    prefix = prefix_or_fn(tree) if callable(prefix_or_fn) else prefix_or_fn
+    try:
+        full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True)
+    except ValueError as err:
+        raise ValueError(f"{what} is not a prefix of the params tree: {err}") from None
+    return tree_flatten(full)[0]
+
+
+def _select(tree: PyTree, selected: list[bool]) -> PyTree:
+    leaves, spec = tree_flatten(tree)
+    return spec.unflatten([leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
+
+
+def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
+    """Applies ``inner`` to the selected leaves only; the others pass through unchanged.
+
+    The inner transform sees a tree in which unselected leaves are replaced by an empty ``MaskedNode``, so its state
+    exists only for selected leaves.
+
+    Args:
+        inner: the transform for the selected leaves.
+        mask: a tree of bools shaped like the params, a prefix of one (``{"encoder": False, "head": True}``), or a
+            callable ``params -> mask``.
+
+    Example:
+        >>> import torch, fadam
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> tx = fadam.masked(fadam.scale(0.0), {"w": True, "b": False})
+        >>> updates, _ = tx.update(params, tx.init(params))
+        >>> updates["w"], updates["b"]
+        (tensor([0., 0.]), tensor([1.]))
+    """
+
+    def selection(tree: PyTree) -> list[bool]:
+        flags = _full_tree(mask, tree, "mask")
+        for index, flag in enumerate(flags):
+            if not isinstance(flag, bool):
+                path = path_str(optree.tree_paths(tree, none_is_leaf=True)[index])
+                raise TypeError(f"mask leaf for {path} is {flag!r}; expected a bool")
+        return flags
+
+    def init(params: PyTree) -> MaskedState:
+        return MaskedState(inner.init(_select(params, selection(params))))
+
+    def update(
+        updates: PyTree, state: MaskedState, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, MaskedState]:
+        selected = selection(params if params is not None else updates)
+        leaves, spec = tree_flatten(updates)
+        if len(leaves) != len(selected):
+            raise ValueError(f"updates have {len(leaves)} leaves but the mask selects among {len(selected)}")
+        inner_params = None if params is None else _select(params, selected)
+        inner_updates, inner_state = inner.update(
+            _select(updates, selected), state.inner_state, inner_params, **extra_args
+        )
+        new_inner = iter(tree_flatten(inner_updates)[0])
+        merged = [next(new_inner) if keep else leaf for leaf, keep in zip(leaves, selected)]
+        return spec.unflatten(merged), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+def partition(
+    transforms: Mapping[Hashable, GradientTransformation], param_labels: PyTree | Callable[[PyTree], PyTree]
+) -> GradientTransformation:
+    """Applies a different transform to each group of leaves, like torch.optim's param groups.
+
+    Args:
+        transforms: label -> transform.
+        param_labels: a tree of labels shaped like the params, a prefix of one, or a callable ``params -> labels``.
+
+    Example:
+        >>> import torch, fadam
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> labels = {"w": "train", "b": "frozen"}
+        >>> tx = fadam.partition({"train": fadam.sgd(0.1), "frozen": fadam.set_to_zero()}, labels)
+        >>> updates, _ = tx.update(params, tx.init(params), params)
+        >>> updates["b"]
+        tensor([0.])
+    """
+
+    def label_mask(label: Hashable) -> Callable[[PyTree], PyTree]:
+        def mask(tree: PyTree) -> PyTree:
+            labels = _full_tree(param_labels, tree, "param_labels")
+            for index, leaf_label in enumerate(labels):
+                if leaf_label not in transforms:
+                    path = path_str(optree.tree_paths(tree, none_is_leaf=True)[index])
+                    raise ValueError(f"label {leaf_label!r} of {path} has no transform; known: {list(transforms)}")
+            return tree_flatten(tree)[1].unflatten([leaf_label == label for leaf_label in labels])
+
+        return mask
+
+    masked_transforms = {label: masked(tx, label_mask(label)) for label, tx in transforms.items()}
+
+    def init(params: PyTree) -> PartitionState:
+        return PartitionState({label: tx.init(params) for label, tx in masked_transforms.items()})
+
+    def update(
+        updates: PyTree, state: PartitionState, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PartitionState]:
+        new_states = {}
+        for label, tx in masked_transforms.items():
+            updates, new_states[label] = tx.update(updates, state.inner_states[label], params, **extra_args)
+        return updates, PartitionState(new_states)
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,1 @@
+"""Gradient transformations, one module per concern."""

@@ -1,0 +1,56 @@
+"""Clipping of updates, elementwise or by their global norm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fadam._base import EmptyState, GradientTransformation
+from fadam._tree import PyTree, tree_global_norm, tree_map
+from fadam.transforms._validation import check_non_negative
+
+
+def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
+    r"""Clips every update element to :math:`[-\delta, \delta]`.
+
+    Args:
+        max_delta: the bound :math:`\delta`.
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.clip(1.0).update([torch.tensor([-3.0, 0.5, 2.0])], fadam.EmptyState())[0]
+        [tensor([-1.0000,  0.5000,  1.0000])]
+    """
+    check_non_negative("max_delta", max_delta)
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
+        return tree_map(lambda g: None if g is None else g.clamp(-max_delta, max_delta), updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
+    r"""Rescales all updates together when their global L2 norm exceeds ``max_norm``.
+
+    .. math::
+        u = g \cdot \frac{\text{max\_norm}}{\max(\|g\|_2, \text{max\_norm})}
+
+    The norm runs over every element of every leaf (complex leaves by modulus); ``None`` updates are ignored.
+
+    Args:
+        max_norm: the largest global norm allowed.
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.clip_by_global_norm(1.0).update([torch.tensor([3.0, 4.0])], fadam.EmptyState())[0]
+        [tensor([0.6000, 0.8000])]
+    """
+    check_non_negative("max_norm", max_norm)
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
+        norm = tree_global_norm(updates)
+        factor = max_norm / torch.clamp(norm, min=max_norm)
+        return tree_map(lambda g: None if g is None else g * factor, updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
