@@ -15,6 +15,7 @@ from fadam._base import (
     stateless_with_tree_map,
     step,
 )
+from fadam._checkpoint import state_from_dict, state_to_dict
 from fadam._tree import (
     tree_add,
     tree_cast,
@@ -71,6 +72,8 @@ __all__ = [
     "scale_by_schedule",
     "set_to_zero",
     "sgd",
+    "state_from_dict",
+    "state_to_dict",
     "stateless",
     "stateless_with_tree_map",
     "step",

@@ -1,0 +1,113 @@
+"""Optimizer state as plain nested dicts, for ``torch.save``/``torch.load(weights_only=True)`` and
+``torch.distributed.checkpoint``.
+
+fadam state is made of NamedTuples, tuples and dicts. ``torch.load(weights_only=True)`` refuses NamedTuple classes, and
+``torch.distributed.checkpoint`` traverses only dicts and lists (a DTensor inside a tuple is pickled and comes back
+wrong without an error), so checkpoints hold the state as nested dicts keyed by each node's field name, index or
+key, and are rebuilt against a freshly initialised state that fixes the structure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from fadam._tree import PyTree, path_str
+
+__all__ = ["state_from_dict", "state_to_dict"]
+
+
+def _leaves_with_paths(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
+    """Leaves with their paths, NamedTuple fields named (``("0", "mu", "w")``) rather than numbered."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, none_is_leaf=True)
+    paths = [tuple(getattr(entry, "field", entry.entry) for entry in accessor) for accessor in accessors]
+    return paths, leaves, spec
+
+
+def state_to_dict(state: PyTree) -> dict[str, Any]:
+    """Converts a state into nested dicts of its leaves, keyed by ``str`` of each path entry.
+
+    NamedTuple fields become their names, tuple and list positions ``"0"``, ``"1"``, ...; empty nodes (``EmptyState``,
+    masked-out leaves) hold nothing and are rebuilt from the template by ``state_from_dict``. Leaves are not copied.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adam()
+        >>> d = fadam.state_to_dict(tx.init({"w": torch.zeros(2)}))
+        >>> sorted(d["0"]), d["0"]["mu"]["w"]
+        (['count', 'mu', 'nu'], tensor([0., 0.]))
+    """
+    paths, leaves, _ = _leaves_with_paths(state)
+    out: dict[str, Any] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not path:
+            raise ValueError("state_to_dict needs a container state, got a single leaf")
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+            if not isinstance(node, dict):
+                raise ValueError(f"state path {path_str(path)} collides with another leaf after converting keys to str")
+        if str(path[-1]) in node:
+            raise ValueError(f"state path {path_str(path)} collides with another entry after converting keys to str")
+        node[str(path[-1])] = leaf
+    return out
+
+
+def _count_leaves(node: Any) -> list[tuple[str, ...]]:
+    if isinstance(node, dict):
+        return [(key, *rest) for key, value in node.items() for rest in _count_leaves(value)]
+    return [()]
+
+
+def state_from_dict(like: PyTree, d: dict[str, Any]) -> PyTree:
+    """Rebuilds a state shaped like ``like`` from ``state_to_dict`` output, checking every path, shape and dtype.
+
+    Raises ``ValueError`` naming the first path that is missing, extra, or of another shape or dtype; nothing is
+    returned half-built. Loaded tensors are moved to the device of the matching template leaf (DTensors are kept
+    as loaded, with their placements).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adam()
+        >>> state = tx.init({"w": torch.ones(2)})
+        >>> restored = fadam.state_from_dict(state, fadam.state_to_dict(state))
+        >>> torch.equal(restored[0].nu["w"], state[0].nu["w"])
+        True
+    """
+    paths, like_leaves, spec = _leaves_with_paths(like)
+    values = []
+    for path, like_leaf in zip(paths, like_leaves, strict=True):
+        node: Any = d
+        for depth, key in enumerate(path):
+            if not isinstance(node, dict) or str(key) not in node:
+                raise ValueError(f"checkpoint is missing state path {path_str(path[: depth + 1])}")
+            node = node[str(key)]
+        values.append(_checked_leaf(path, node, like_leaf))
+    expected = {tuple(str(key) for key in path) for path in paths}
+    for found in _count_leaves(d):
+        if found not in expected:
+            raise ValueError(f"checkpoint has state path {path_str(found)} that this optimizer does not have")
+    return spec.unflatten(values)
+
+
+def _checked_leaf(path: tuple[Any, ...], value: Any, like: Any) -> Any:
+    if not isinstance(like, torch.Tensor):
+        if isinstance(value, torch.Tensor) or type(value) is not type(like):
+            raise ValueError(f"state path {path_str(path)}: expected {type(like).__name__}, got {type(value).__name__}")
+        return value
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"state path {path_str(path)}: expected a tensor, got {type(value).__name__}")
+    if value.shape != like.shape:
+        raise ValueError(
+            f"state path {path_str(path)}: shape {tuple(value.shape)} does not match the optimizer's "
+            f"{tuple(like.shape)}"
+        )
+    if value.dtype != like.dtype:
+        raise ValueError(
+            f"state path {path_str(path)}: dtype {value.dtype} does not match the optimizer's {like.dtype}"
+        )
+    if type(value) is torch.Tensor and type(like) is torch.Tensor and value.device != like.device:
+        return value.to(like.device)
+    return value
