@@ -57,24 +57,23 @@ def add_decoupled_weight_decay(
 ) -> GradientTransformation:
     r"""Decoupled weight decay as ``torch.optim.AdamW`` applies it, for use after ``scale_by_learning_rate``.
 
-        .. math::
-            u = g - \left(p - p \cdot \mathrm{rnd}(1 - \eta_t \lambda)
-    ight)
+    .. math::
+        u = g - \left(p - p \cdot \mathrm{rnd}(1 - \eta_t \lambda)\right)
 
-        so that ``p + u`` equals torch's ``p.mul_(1 - lr * weight_decay)`` followed by the step. The factor is rounded
-        to the param's dtype exactly as torch's in-place multiply rounds it; that rounding is systematic (the same every
-        step), which is why this matches torch.optim.AdamW to float32 precision over hundreds of steps where the
-        algebraically equal ``-lr * (g + weight_decay * p)`` drifts by up to 1e-5.
+    so that ``p + u`` equals torch's ``p.mul_(1 - lr * weight_decay)`` followed by the step. The factor is rounded to
+    the param's dtype exactly as torch's in-place multiply rounds it; that rounding is systematic (the same every
+    step), which is why this matches torch.optim.AdamW to float32 precision over hundreds of steps where the
+    algebraically equal ``-lr * (g + weight_decay * p)`` drifts by up to 1e-5.
 
-        Args:
-            learning_rate: the learning rate :math:`\eta_t` (float, 0-d tensor or schedule of the step count).
-            weight_decay: the decay :math:`\lambda`.
+    Args:
+        learning_rate: the learning rate :math:`\eta_t` (float, 0-d tensor or schedule of the step count).
+        weight_decay: the decay :math:`\lambda`.
 
-        Example:
-            >>> import torch, fadam
-            >>> tx = fadam.add_decoupled_weight_decay(0.1, 0.5)
-            >>> tx.update([torch.zeros(1)], tx.init([torch.ones(1)]), [torch.full((1,), 2.0)])[0]
-            [tensor([-0.1000])]
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.add_decoupled_weight_decay(0.1, 0.5)
+        >>> tx.update([torch.zeros(1)], tx.init([torch.ones(1)]), [torch.full((1,), 2.0)])[0]
+        [tensor([-0.1000])]
     """
     check_non_negative("weight_decay", weight_decay)
     schedule = learning_rate if callable(learning_rate) else None
