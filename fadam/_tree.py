@@ -13,6 +13,8 @@ from typing import Any
 import optree
 import torch
 
+from fadam._numerics import dtype_for
+
 PyTree = Any
 
 __all__ = [
@@ -77,14 +79,17 @@ def tree_scale(tree: PyTree, factor: float | torch.Tensor) -> PyTree:
 
 
 def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
-    return tree_map(_skip_none(lambda x: torch.zeros_like(x, dtype=dtype)), tree)
+    return tree_map(_skip_none(lambda x: torch.zeros_like(x, dtype=dtype_for(x, dtype))), tree)
 
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
-    """Casts floating leaves to ``dtype`` (``None`` keeps them); integer and bool leaves are left alone."""
+    """Casts floating leaves to ``dtype`` (``None`` keeps them; complex leaves get the complex dtype of that precision);
+    integer and bool leaves are left alone."""
     if dtype is None:
         return tree
-    return tree_map(_skip_none(lambda x: x.to(dtype) if x.is_floating_point() or x.is_complex() else x), tree)
+    return tree_map(
+        _skip_none(lambda x: x.to(dtype_for(x, dtype)) if x.is_floating_point() or x.is_complex() else x), tree
+    )
 
 
 def tree_global_norm(tree: PyTree) -> torch.Tensor:
