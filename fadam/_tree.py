@@ -101,10 +101,18 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     return torch.sqrt(sum(squares[1:], squares[0]))
 
 
+def _is_empty_node(x: Any) -> bool:
+    if x is None or isinstance(x, torch.Tensor):
+        return False
+    spec = optree.tree_structure(x, none_is_leaf=True)
+    return not spec.is_leaf() and spec.num_children == 0
+
+
 def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> str:
     """Names the first path where ``tree`` and ``like`` differ in structure."""
-    paths = optree.tree_paths(tree, none_is_leaf=True)
-    like_paths = optree.tree_paths(like, none_is_leaf=True)
+    # empty nodes (MaskedNode() for a leaf that masked() left out) get a path too, so that their mismatch is named
+    paths = optree.tree_paths(tree, is_leaf=_is_empty_node, none_is_leaf=True)
+    like_paths = optree.tree_paths(like, is_leaf=_is_empty_node, none_is_leaf=True)
     for path, like_path in zip(paths, like_paths):
         if path != like_path:
             return f"{what} has a leaf at {path_str(path)} where {like_what} has {path_str(like_path)}"
