@@ -109,17 +109,20 @@ def _is_empty_node(x: Any) -> bool:
 
 
 def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> str:
-    """Names the first path where ``tree`` and ``like`` differ in structure."""
+    """Names the first leaf path that one of ``tree`` and ``like`` has and the other lacks."""
     # empty nodes (MaskedNode() for a leaf that masked() left out) get a path too, so that their mismatch is named
     paths = optree.tree_paths(tree, is_leaf=_is_empty_node, none_is_leaf=True)
     like_paths = optree.tree_paths(like, is_leaf=_is_empty_node, none_is_leaf=True)
-    for path, like_path in zip(paths, like_paths):
-        if path != like_path:
-            return f"{what} has a leaf at {path_str(path)} where {like_what} has {path_str(like_path)}"
-    if len(paths) != len(like_paths):
-        longer, name = (paths, what) if len(paths) > len(like_paths) else (like_paths, like_what)
-        extra = longer[min(len(paths), len(like_paths))]
-        return f"{name} has an extra leaf at {path_str(extra)} ({len(paths)} leaves vs {len(like_paths)})"
+    known, like_known = set(paths), set(like_paths)
+    problems = []
+    missing = next((path for path in like_paths if path not in known), None)
+    if missing is not None:
+        problems.append(f"no leaf at {path_str(missing)} in {what}, but {like_what} has one")
+    extra = next((path for path in paths if path not in like_known), None)
+    if extra is not None:
+        problems.append(f"extra leaf at {path_str(extra)} in {what}, not in {like_what}")
+    if problems:
+        return f"{'; '.join(problems)} ({len(paths)} leaves vs {len(like_paths)})"
     spec, like_spec = optree.tree_structure(tree, none_is_leaf=True), optree.tree_structure(like, none_is_leaf=True)
     return f"{what} has structure {spec} but {like_what} has {like_spec}"
 
