@@ -384,3 +384,16 @@ def test_invalid_hyperparameters_raise_like_torch(make, torch_cls, kwargs, named
         torch_cls([torch.zeros(1, requires_grad=True)], **kwargs)
     with pytest.raises(ValueError, match=re.escape(named)):
         make(**kwargs)
+
+
+@pytest.mark.parametrize(("make", "torch_cls", "kwargs"), _cases())
+def test_step_dispatches_to_fused_kernel_for_plain_tensors(make, torch_cls, kwargs):
+    """The parity test's ``fadam.step`` runs really went through torch's fused kernels, and fall back when they must."""
+    tx = make(**kwargs)
+    params, grads = _problem(torch.float32, kwargs["maximize"], steps=1)
+    state = tx.init(params)
+    assert tx.update.fused_step(params, grads[0], state, False) is not None
+    with_none = {**grads[0], "b": None}  # a skipped param: the general path
+    assert tx.update.fused_step(params, with_none, state, False) is None
+    tracked = {k: v.clone().requires_grad_() for k, v in params.items()}  # autograd must see the step
+    assert tx.update.fused_step(tracked, grads[0], tx.init(tracked), False) is None
