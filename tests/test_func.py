@@ -145,8 +145,31 @@ def test_vmapped_update_equals_separate_updates(build, complex_ok, use_step):
         _assert_members_equal(state, member_states, "state")
 
 
-@pytest.mark.parametrize("row", ALL_ROWS, ids=str)
-def test_stacked_models_trained_by_one_vmapped_update(row):
+BLOCK_OPTIMIZERS = [
+    pytest.param(
+        lambda: fadam.chain(fadam.clip_by_global_norm(0.5), fadam.scale_by_adam(nesterov=True), fadam.scale(-1e-2)),
+        id="clip-adam-nesterov",
+    ),
+    pytest.param(
+        lambda: fadam.chain(
+            fadam.add_decayed_weights(1e-2, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+            fadam.trace(0.9, dampening=0.1),
+            fadam.scale_by_learning_rate(lambda count: 0.1 * 0.9 ** count.to(torch.float64)),
+        ),
+        id="decay-trace-schedule",
+    ),
+    pytest.param(
+        lambda: fadam.partition(
+            {"first": fadam.adamw(1e-2, amsgrad=True), "second": fadam.sgd(0.1, momentum=0.5)},
+            lambda p: {k: "first" if k.startswith("0.") else "second" for k in p},
+        ),
+        id="partition",
+    ),
+]
+
+
+@pytest.mark.parametrize("build", [*(pytest.param(row.build, id=row.name) for row in ALL_ROWS), *BLOCK_OPTIMIZERS])
+def test_stacked_models_trained_by_one_vmapped_update(build):
     """N MLPs stacked with torch.func.stack_module_state, one vmapped grad/update per step, equal N separate runs."""
     n, steps = 3, 5
     torch.manual_seed(0)
@@ -163,7 +186,7 @@ def test_stacked_models_trained_by_one_vmapped_update(row):
     def loss(params: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(functional_call(skeleton, params, (xb,)), yb)
 
-    tx = row.build()
+    tx = build()
 
     def train_step(params: dict, state: Any, xb: torch.Tensor, yb: torch.Tensor) -> tuple[dict, Any]:
         updates, state = tx.update(grad(loss)(params, xb, yb), state, params)
