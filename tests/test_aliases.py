@@ -269,10 +269,12 @@ def test_complex_adam_keeps_moments_per_component():
 def test_low_precision_params_match_torch(make, torch_cls, kwargs, dtype):
     """bf16/f16 params, state in the param's dtype, as torch.optim keeps it.
 
-    The pure path rounds every intermediate to the low dtype, like torch's for-loop, but in a different order of
-    operations, so the two differ by roundings. The tolerance is measured, not guessed: it is how far torch's own
-    for-loop and fused implementations are apart on the same run (plus one unit in the last place of the largest
-    param), doubled. ``fadam.step`` runs torch's fused kernel and must equal ``torch.optim(fused=True)`` bit for bit.
+    The pure path rounds every intermediate to the low dtype, like torch's for-loop, in a slightly different order of
+    operations. Tolerance: two units in the last place at the largest param's magnitude (``2 * eps`` normwise) after
+    100 steps. For scale, torch's own fused kernel (fp32 math, one rounding) drifts from its for-loop by 2.7e-3
+    (Adam, bf16) up to 0.25 (SGD with momentum, bf16: updates near half an ulp of the param round either way);
+    the pure path stays within 7.4e-3 (bf16) and 6.6e-4 (f16) of the for-loop. ``fadam.step`` runs torch's fused
+    kernel and must equal ``torch.optim(fused=True)`` bit for bit.
     """
     gen = torch.Generator().manual_seed(5)
     params = {"w": (torch.randn(64, generator=gen) + 3).to(dtype), "b": (torch.randn(8, generator=gen) - 3).to(dtype)}
@@ -284,7 +286,7 @@ def test_low_precision_params_match_torch(make, torch_cls, kwargs, dtype):
     tx = make(**kwargs)
     pure, pure_state = params, tx.init(params)
     stepped, step_state = params, tx.init(params)
-    worst_fadam, worst_torch = 0.0, 0.0
+    worst = 0.0
     for g in grads:
         for k in params:
             loop[k].grad, fused[k].grad = g[k].clone(), g[k].clone()
@@ -296,10 +298,8 @@ def test_low_precision_params_match_torch(make, torch_cls, kwargs, dtype):
         for k in params:
             assert torch.equal(stepped[k], fused[k]), f"fused step differs from torch fused at {k!r}"
             assert pure[k].dtype == dtype
-        worst_fadam = max(worst_fadam, max_rel_err(pure, loop)[0])
-        worst_torch = max(worst_torch, max_rel_err(fused, loop)[0])
-    tolerance = 2 * (worst_torch + torch.finfo(dtype).eps)
-    assert worst_fadam <= tolerance, f"fadam {worst_fadam:.2e} vs torch's own for-loop/fused gap {worst_torch:.2e}"
+        worst = max(worst, max_rel_err(pure, loop)[0])
+    assert worst <= 2 * torch.finfo(dtype).eps, f"pure path {worst:.2e} from torch's for-loop"
 
 
 @pytest.mark.parametrize(("make", "torch_cls", "kwargs"), COMPLEX_ALIASES)
