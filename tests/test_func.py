@@ -78,8 +78,6 @@ def test_inner_step_inside_torch_func_grad(build, complex_ok, use_step):
     err, where = max_rel_err(functorch_meta, expected)
     assert err <= 1e-12, f"meta-gradient differs at {where}: {err:.2e}"
     assert all(torch.isfinite(t).all() for _, t in tensor_leaves(functorch_meta))
-    for _, t in tensor_leaves(state):  # the state closed over was not touched by either run
-        assert not t.requires_grad
 
 
 def test_meta_gradient_of_adam_matches_finite_differences():
