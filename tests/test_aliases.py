@@ -2,7 +2,7 @@
 
 Every alias and flag combination is fed the same fixed sequence of gradients and compared after every step, through
 the three ways of running a step: ``tx.update`` + ``apply_updates``, ``fadam.step`` (fused kernels when the tensors
-allow) and ``fadam.step(donate=True)``. Errors are normwise relative errors (see ``tests.helpers.rel_err``).
+allow) and ``fadam.step(donate=True)``. Errors are normwise relative errors (see ``tests.tree_checks.rel_err``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import fadam
-from tests.helpers import max_rel_err, rel_err
+from tests.tree_checks import max_rel_err, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.complex64: 1e-5, torch.complex128: 1e-12}
 STEPS = 300

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fadam
-from tests.helpers import max_rel_err, tensor_leaves
 from tests.test_purity import FACTORIES, REAL_ONLY, _grads, _params
+from tests.tree_checks import max_rel_err, tensor_leaves
 
 
 def test_gradient_transformation_is_a_named_tuple():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fadam
-from tests.helpers import max_rel_err, tensor_leaves
+from tests.tree_checks import max_rel_err, tensor_leaves
 
 
 def _params() -> dict[str, Any]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fadam
-from tests.helpers import assert_unchanged, max_rel_err, snapshot, tensor_leaves
+from tests.tree_checks import assert_unchanged, max_rel_err, snapshot, tensor_leaves
 
 
 def _params() -> dict[str, Any]:

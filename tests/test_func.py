@@ -19,8 +19,8 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 import fadam
 from fadam._tree import tree_leaves
 from tests.conformance.table import ALL_ROWS
-from tests.helpers import max_rel_err, tensor_leaves
 from tests.test_purity import FACTORIES, REAL_ONLY, _params
+from tests.tree_checks import max_rel_err, tensor_leaves
 
 TRANSFORMS = [
     pytest.param(builder, name not in REAL_ONLY, id=f"{name}-{index}")

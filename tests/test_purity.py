@@ -17,7 +17,7 @@ import torch
 
 import fadam
 from tests.conformance.table import ALL_ROWS
-from tests.helpers import assert_unchanged, snapshot, tensor_leaves
+from tests.tree_checks import assert_unchanged, snapshot, tensor_leaves
 
 
 def _half_lr(count: torch.Tensor) -> torch.Tensor:

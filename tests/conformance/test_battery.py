@@ -16,7 +16,7 @@ from torch.func import grad, vmap
 
 import fadam
 from tests.conformance.table import ALL_ROWS, Row
-from tests.helpers import max_rel_err, tensor_leaves
+from tests.tree_checks import max_rel_err, tensor_leaves
 
 TORCH_ROWS = [row for row in ALL_ROWS if row.reference == "torch"]
 COMPLEX_ROWS = [row for row in ALL_ROWS if row.complex_params]
