@@ -27,3 +27,14 @@ def bias_correction(decay: float | torch.Tensor, count: torch.Tensor) -> torch.T
     if isinstance(decay, torch.Tensor):
         return 1 - decay.to(torch.float64) ** exponent
     return 1 - torch.pow(decay, exponent)
+
+
+def dtype_for(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | None:
+    """``dtype``'s precision for ``tensor`` (``None``: keep the tensor's): a complex tensor stays complex.
+
+    Used for state dtypes (``mu_dtype``, ``accumulator_dtype``) and casts: a real dtype applied to a complex param
+    (``float64`` -> ``complex128``) would otherwise silently drop the imaginary part.
+    """
+    if dtype is None or not tensor.is_complex() or dtype.is_complex:
+        return dtype
+    return dtype.to_complex()

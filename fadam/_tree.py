@@ -13,6 +13,8 @@ from typing import Any
 import optree
 import torch
 
+from fadam._numerics import dtype_for
+
 PyTree = Any
 
 __all__ = [
@@ -77,14 +79,17 @@ def tree_scale(tree: PyTree, factor: float | torch.Tensor) -> PyTree:
 
 
 def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
-    return tree_map(_skip_none(lambda x: torch.zeros_like(x, dtype=dtype)), tree)
+    return tree_map(_skip_none(lambda x: torch.zeros_like(x, dtype=dtype_for(x, dtype))), tree)
 
 
 def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
-    """Casts floating leaves to ``dtype`` (``None`` keeps them); integer and bool leaves are left alone."""
+    """Casts floating leaves to ``dtype`` (``None`` keeps them; complex leaves get the complex dtype of that precision);
+    integer and bool leaves are left alone."""
     if dtype is None:
         return tree
-    return tree_map(_skip_none(lambda x: x.to(dtype) if x.is_floating_point() or x.is_complex() else x), tree)
+    return tree_map(
+        _skip_none(lambda x: x.to(dtype_for(x, dtype)) if x.is_floating_point() or x.is_complex() else x), tree
+    )
 
 
 def tree_global_norm(tree: PyTree) -> torch.Tensor:
@@ -96,17 +101,28 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     return torch.sqrt(sum(squares[1:], squares[0]))
 
 
+def _is_empty_node(x: Any) -> bool:
+    if x is None or isinstance(x, torch.Tensor):
+        return False
+    spec = optree.tree_structure(x, none_is_leaf=True)
+    return not spec.is_leaf() and spec.num_children == 0
+
+
 def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> str:
-    """Names the first path where ``tree`` and ``like`` differ in structure."""
-    paths = optree.tree_paths(tree, none_is_leaf=True)
-    like_paths = optree.tree_paths(like, none_is_leaf=True)
-    for path, like_path in zip(paths, like_paths):
-        if path != like_path:
-            return f"{what} has a leaf at {path_str(path)} where {like_what} has {path_str(like_path)}"
-    if len(paths) != len(like_paths):
-        longer, name = (paths, what) if len(paths) > len(like_paths) else (like_paths, like_what)
-        extra = longer[min(len(paths), len(like_paths))]
-        return f"{name} has an extra leaf at {path_str(extra)} ({len(paths)} leaves vs {len(like_paths)})"
+    """Names the first leaf path that one of ``tree`` and ``like`` has and the other lacks."""
+    # empty nodes (MaskedNode() for a leaf that masked() left out) get a path too, so that their mismatch is named
+    paths = optree.tree_paths(tree, is_leaf=_is_empty_node, none_is_leaf=True)
+    like_paths = optree.tree_paths(like, is_leaf=_is_empty_node, none_is_leaf=True)
+    known, like_known = set(paths), set(like_paths)
+    problems = []
+    missing = next((path for path in like_paths if path not in known), None)
+    if missing is not None:
+        problems.append(f"no leaf at {path_str(missing)} in {what}, but {like_what} has one")
+    extra = next((path for path in paths if path not in like_known), None)
+    if extra is not None:
+        problems.append(f"extra leaf at {path_str(extra)} in {what}, not in {like_what}")
+    if problems:
+        return f"{'; '.join(problems)} ({len(paths)} leaves vs {len(like_paths)})"
     spec, like_spec = optree.tree_structure(tree, none_is_leaf=True), optree.tree_structure(like, none_is_leaf=True)
     return f"{what} has structure {spec} but {like_what} has {like_spec}"
 

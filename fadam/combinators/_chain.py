@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from fadam._base import GradientTransformation
-from fadam._tree import PyTree
+from fadam._tree import PyTree, check_leaves
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies transforms in order; the state is the tuple of their states.
 
-    Extra keyword arguments given to ``update`` reach every transform in the chain.
+    Extra keyword arguments given to ``update`` reach every transform in the chain. The updates are checked against
+    the params (or, without params, for being dense tensors) before any transform runs, so bad input raises a
+    ``ValueError`` naming the leaf's path even when no member of the chain would check it.
 
     Example:
         >>> import torch, fadam
@@ -31,6 +33,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     ) -> tuple[PyTree, tuple[PyTree, ...]]:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transforms got a state that is not a tuple of that length")
+        check_leaves(updates, updates if params is None else params)
         new_states = []
         for tx, tx_state in zip(transforms, state):
             updates, tx_state = tx.update(updates, tx_state, params, **extra_args)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import optree
 
 from fadam._base import GradientTransformation
-from fadam._tree import PyTree, path_str, tree_flatten
+from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 
 
 class MaskedNode(NamedTuple):
@@ -72,10 +72,10 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
     def update(
         updates: PyTree, state: MaskedState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, MaskedState]:
+        if params is not None:
+            check_leaves(updates, params)  # before the mask is applied, so that errors name the params' paths
         selected = selection(params if params is not None else updates)
         leaves, spec = tree_flatten(updates)
-        if len(leaves) != len(selected):
-            raise ValueError(f"updates have {len(leaves)} leaves but the mask selects among {len(selected)}")
         inner_params = None if params is None else _select(params, selected)
         inner_updates, inner_state = inner.update(
             _select(updates, selected), state.inner_state, inner_params, **extra_args

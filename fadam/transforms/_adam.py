@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, safe_increment, zero_count
+from fadam._numerics import bias_correction, dtype_for, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative, check_unit_interval
 
@@ -77,11 +77,11 @@ def scale_by_adam(
     check_non_negative("eps_root", eps_root)
 
     def init(params: PyTree) -> ScaleByAdamState | ScaleByAmsgradState:
-        mu = tree_map(lambda p: torch.zeros_like(p, dtype=mu_dtype), params)
-        nu = tree_map(lambda p: torch.zeros_like(p, dtype=nu_dtype), params)
+        mu = tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, mu_dtype)), params)
+        nu = tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, nu_dtype)), params)
         if amsgrad:
             return ScaleByAmsgradState(
-                zero_count(), mu, nu, tree_map(lambda p: torch.zeros_like(p, dtype=nu_dtype), params)
+                zero_count(), mu, nu, tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, nu_dtype)), params)
             )
         return ScaleByAdamState(zero_count(), mu, nu)
 

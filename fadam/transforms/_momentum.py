@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import dtype_for, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative
 
@@ -49,7 +49,9 @@ def trace(
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def init(params: PyTree) -> TraceState:
-        return TraceState(zero_count(), tree_map(lambda p: torch.zeros_like(p, dtype=accumulator_dtype), params))
+        return TraceState(
+            zero_count(), tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype)), params)
+        )
 
     def update(updates: PyTree, state: TraceState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, TraceState]:
         grads, traces, spec = check_leaves(updates, state.trace, like_what="the trace state (params)")

@@ -1,0 +1,228 @@
+"""Purity (issue 2, item 2): no public transform, alias, ``apply_updates`` or ``fadam.step`` (without donation)
+modifies any tensor passed in: params, updates and state are bit-identical afterwards and their version counters
+did not move (so not even an in-place write of the same values happened).
+
+Every public factory (a function in ``fadam.__all__`` that returns a ``GradientTransformation``) must have an entry
+in ``FACTORIES`` below: a new factory without one fails ``test_every_public_factory_has_a_purity_entry``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import fadam
+from tests.conformance.table import ALL_ROWS
+from tests.tree_checks import assert_unchanged, snapshot, tensor_leaves
+
+
+def _half_lr(count: torch.Tensor) -> torch.Tensor:
+    return 0.1 * 0.5 ** count.to(torch.float64)
+
+
+# name -> builders of a transform. Give each factory its interesting configurations; ``complex`` says whether the
+# transform accepts complex params (clip does not: clamp has no order on complex numbers).
+FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
+    "adam": [
+        lambda: fadam.adam(1e-2),
+        lambda: fadam.adam(1e-2, weight_decay=0.1, amsgrad=True, maximize=True),
+        lambda: fadam.adam(torch.tensor(1e-2)),
+        lambda: fadam.adam(_half_lr, weight_decay=torch.tensor(0.1)),
+    ],
+    "adamw": [
+        lambda: fadam.adamw(1e-2),
+        lambda: fadam.adamw(1e-2, amsgrad=True, maximize=True),
+        lambda: fadam.adamw(_half_lr, weight_decay=0.1),
+        lambda: fadam.adamw(torch.tensor(1e-2), weight_decay=torch.tensor(0.1)),
+    ],
+    "sgd": [
+        lambda: fadam.sgd(1e-2),
+        lambda: fadam.sgd(1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1, maximize=True),
+        lambda: fadam.sgd(_half_lr, momentum=0.9, nesterov=True),
+        lambda: fadam.sgd(torch.tensor(1e-2), momentum=0.9, weight_decay=torch.tensor(0.1)),
+    ],
+    "add_decayed_weights": [
+        lambda: fadam.add_decayed_weights(0.1),
+        lambda: fadam.add_decayed_weights(torch.tensor(0.1), mask={"layer": True, "extra": False, "z": True}),
+    ],
+    "add_decoupled_weight_decay": [
+        lambda: fadam.add_decoupled_weight_decay(0.1, 0.5),
+        lambda: fadam.add_decoupled_weight_decay(_half_lr, 0.5),
+    ],
+    "chain": [lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.scale_by_adam(), fadam.scale(-0.1))],
+    "clip": [lambda: fadam.clip(0.5)],
+    "clip_by_global_norm": [lambda: fadam.clip_by_global_norm(0.5), lambda: fadam.clip_by_global_norm(100.0)],
+    "identity": [fadam.identity],
+    "masked": [
+        lambda: fadam.masked(fadam.scale_by_adam(), {"layer": {"w": True, "b": False}, "extra": True, "z": False}),
+        lambda: fadam.masked(fadam.trace(0.9), lambda params: fadam.tree_map(lambda p: p.ndim > 1, params)),
+    ],
+    "named_chain": [lambda: fadam.named_chain(("trace", fadam.trace(0.5)), ("lr", fadam.scale_by_learning_rate(0.1)))],
+    "partition": [
+        lambda: fadam.partition(
+            {"adam": fadam.adam(1e-2), "sgd": fadam.sgd(0.1, momentum=0.9), "frozen": fadam.set_to_zero()},
+            {"layer": {"w": "adam", "b": "sgd"}, "extra": "frozen", "z": "adam"},
+        )
+    ],
+    "scale": [lambda: fadam.scale(-0.5), lambda: fadam.scale(torch.tensor(2.0))],
+    "scale_by_adam": [
+        fadam.scale_by_adam,
+        lambda: fadam.scale_by_adam(eps_root=1e-8, amsgrad=True),
+        lambda: fadam.scale_by_adam(nesterov=True),
+    ],
+    "scale_by_learning_rate": [
+        lambda: fadam.scale_by_learning_rate(0.1),
+        lambda: fadam.scale_by_learning_rate(torch.tensor(0.1), flip_sign=False),
+        lambda: fadam.scale_by_learning_rate(_half_lr),
+    ],
+    "scale_by_schedule": [lambda: fadam.scale_by_schedule(_half_lr)],
+    "set_to_zero": [fadam.set_to_zero],
+    "stateless": [lambda: fadam.stateless(lambda updates, params: fadam.tree_scale(updates, 2.0))],
+    "stateless_with_tree_map": [lambda: fadam.stateless_with_tree_map(lambda g, p: g * 2 + p.abs())],
+    "trace": [
+        lambda: fadam.trace(0.9),
+        lambda: fadam.trace(0.9, nesterov=True),
+        lambda: fadam.trace(0.9, dampening=0.5, accumulator_dtype=torch.float64),
+    ],
+}
+REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
+
+
+def _returns_transform(obj: Any) -> bool:
+    """A public factory: annotated to return a GradientTransformation, or returning one when called without args."""
+    try:
+        annotation = inspect.signature(obj).return_annotation
+    except (TypeError, ValueError):
+        annotation = inspect.Signature.empty
+    if "GradientTransformation" in str(annotation):
+        return True
+    try:
+        return isinstance(obj(), fadam.GradientTransformation)
+    except Exception:
+        return False
+
+
+def _public_factories() -> set[str]:
+    names = set()
+    for name in fadam.__all__:
+        obj = getattr(fadam, name)
+        if callable(obj) and not isinstance(obj, type) and _returns_transform(obj):
+            names.add(name)
+    return names
+
+
+def test_every_public_factory_has_a_purity_entry():
+    factories = _public_factories()
+    missing = sorted(factories - FACTORIES.keys())
+    assert not missing, f"public transform factories without a purity entry in tests/test_purity.py: {missing}"
+    stale = sorted(FACTORIES.keys() - factories)
+    assert not stale, f"purity entries for names that are not public factories: {stale}"
+    assert {"adam", "adamw", "sgd", "chain", "masked", "partition"} <= factories  # the discovery finds factories
+
+
+def _params(complex_leaf: bool) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    params: dict[str, Any] = {
+        "layer": {"w": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)},
+        "extra": [torch.randn(2, generator=gen, dtype=torch.float64), torch.tensor(1.5)],
+    }
+    if complex_leaf:
+        params["z"] = torch.randn(3, generator=gen, dtype=torch.complex64)
+    return params
+
+
+def _grads(params: dict, steps: int) -> list[dict]:
+    """Gradients for ``steps`` steps; the second step has a ``None`` gradient (that param is skipped)."""
+    gen = torch.Generator().manual_seed(1)
+    grads = []
+    for index in range(steps):
+        g = fadam.tree_map(lambda p: torch.randn(p.shape, generator=gen, dtype=p.dtype), params)
+        if index == 1:
+            g["layer"]["b"] = None
+        grads.append(g)
+    return grads
+
+
+def check_purity(tx: fadam.GradientTransformation, params: Any, grads: list[Any]) -> None:
+    """Runs init, then per step update, apply_updates and fadam.step, proving every input is left untouched."""
+    before = snapshot(params)
+    state = tx.init(params)
+    assert_unchanged(before, "init: params")
+    for index, g in enumerate(grads):
+        inputs = snapshot(params), snapshot(g), snapshot(state)
+        updates, new_state = tx.update(g, state, params, unused_extra_arg=torch.ones(2))
+        for snap, what in zip(inputs, ("params", "updates", "state")):
+            assert_unchanged(snap, f"step {index}, update: {what}")
+
+        applied = snapshot(params), snapshot(updates)
+        new_params = fadam.apply_updates(params, updates)
+        for snap, what in zip(applied, ("params", "updates")):
+            assert_unchanged(snap, f"step {index}, apply_updates: {what}")
+
+        stepped = snapshot(params), snapshot(g), snapshot(state)
+        step_params, _ = fadam.step(tx, params, g, state)
+        for snap, what in zip(stepped, ("params", "grads", "state")):
+            assert_unchanged(snap, f"step {index}, fadam.step: {what}")
+        for (path, a), (_, b) in zip(tensor_leaves(step_params), tensor_leaves(new_params), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=path)  # both paths computed the same step
+        params, state = new_params, new_state
+
+
+@pytest.mark.parametrize(
+    ("name", "index"), [(name, index) for name, builders in FACTORIES.items() for index in range(len(builders))]
+)
+def test_public_factory_is_pure(name, index):
+    params = _params(complex_leaf=name not in REAL_ONLY)
+    check_purity(FACTORIES[name][index](), params, _grads(params, steps=3))
+
+
+@pytest.mark.parametrize("row", ALL_ROWS, ids=str)
+def test_conformance_row_is_pure(row):
+    params = _params(complex_leaf=row.complex_params)
+    check_purity(row.build(), params, _grads(params, steps=3))
+
+
+def test_purity_check_detects_in_place_writes():
+    """The check can fail: an update that writes into its input (even the same values) is caught."""
+
+    def sneaky(updates: Any, params: Any) -> Any:
+        updates["layer"]["w"].mul_(1.0)
+        return updates
+
+    params = _params(complex_leaf=False)
+    with pytest.raises(AssertionError, match="written in place"):
+        check_purity(fadam.stateless(sneaky), params, _grads(params, steps=1))
+
+
+def test_tree_math_is_pure():
+    params = _params(complex_leaf=True)
+    other = _grads(params, steps=1)[0]
+    other["layer"]["b"] = torch.ones(4)
+    snaps = snapshot(params), snapshot(other)
+    fadam.tree_add(params, other, alpha=0.5)
+    fadam.tree_sub(params, other)
+    fadam.tree_scale(params, 3.0)
+    fadam.tree_zeros_like(params)
+    fadam.tree_cast(params, torch.float64)
+    fadam.tree_global_norm(params)
+    fadam.global_norm(other)
+    fadam.tree_map(lambda p: p * 2, params)
+    fadam.tree_paths(params)
+    assert_unchanged(snaps[0], "params")
+    assert_unchanged(snaps[1], "other")
+
+
+@pytest.mark.parametrize("row", ALL_ROWS, ids=str)
+def test_donating_step_leaves_gradients_alone(row):
+    """``donate=True`` gives up params and state only: the gradients passed in stay bit-identical."""
+    params = _params(complex_leaf=row.complex_params)
+    tx = row.build()
+    state = tx.init(params)
+    for g in _grads(params, steps=3):
+        before = snapshot(g)
+        params, state = fadam.step(tx, params, g, state, donate=True)
+        assert_unchanged(before, "grads")

@@ -1,0 +1,297 @@
+"""Building blocks in ``fadam/transforms/`` against hand-computed values and optax's definitions (issue 2, item 3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.func import grad
+
+import fadam
+
+F64 = torch.float64
+
+
+def _seq(n: int, shape=(5,), dtype=F64, seed=0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.complex128 if dtype.is_complex else F64
+    return [torch.randn(shape, generator=gen, dtype=source).to(dtype) for _ in range(n)]
+
+
+def _run(tx, grads, params=None):
+    """Feeds a list of single-tensor gradients; returns the list of updates and the final state."""
+    params = [torch.zeros_like(grads[0])] if params is None else params
+    state = tx.init(params)
+    out = []
+    for g in grads:
+        updates, state = tx.update([g], state, params)
+        out.append(updates[0])
+    return out, state
+
+
+# ----------------------------------------------------------------------------------------------------- scale_by_adam
+
+
+def _adam_reference(grads, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, nesterov=False, amsgrad=False):
+    """optax's scale_by_adam equations (amsgrad: torch.optim's max over raw second moments), in float64."""
+    mu = torch.zeros_like(grads[0])
+    nu = torch.zeros_like(grads[0])
+    nu_max = torch.zeros_like(grads[0])
+    out = []
+    for t, g in enumerate(grads, start=1):
+        mu = b1 * mu + (1 - b1) * g
+        nu = b2 * nu + (1 - b2) * g * g
+        nu_max = torch.maximum(nu_max, nu)
+        if nesterov:
+            mu_hat = b1 * mu / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t)
+        else:
+            mu_hat = mu / (1 - b1**t)
+        nu_hat = (nu_max if amsgrad else nu) / (1 - b2**t)
+        out.append(mu_hat / (torch.sqrt(nu_hat + eps_root) + eps))
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"b1": 0.5, "b2": 0.9, "eps": 1e-3},
+        {"eps_root": 1e-4},
+        {"nesterov": True},
+        {"amsgrad": True},
+        {"nesterov": True, "amsgrad": True, "eps_root": 1e-6},
+        {"b1": 0.0},
+    ],
+    ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "default",
+)
+def test_scale_by_adam_matches_optax_equations(kwargs):
+    grads = _seq(20)
+    grads[3] = grads[3] * 0.01  # a small gradient, so that AMSGrad's maximum differs from nu
+    ours, state = _run(fadam.scale_by_adam(**kwargs), grads)
+    for step, (a, b) in enumerate(zip(ours, _adam_reference(grads, **kwargs)), start=1):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15, msg=f"step {step}")
+    assert int(state.count) == 20 and state.count.dtype == torch.int32
+    assert isinstance(state, fadam.ScaleByAmsgradState if kwargs.get("amsgrad") else fadam.ScaleByAdamState)
+
+
+def test_scale_by_adam_first_step_by_hand():
+    """At step 1 the bias corrections cancel: u = g / (|g| + eps) elementwise."""
+    tx = fadam.scale_by_adam(eps=0.5)
+    updates, state = tx.update([torch.tensor([2.0, -0.5, 0.0], dtype=F64)], tx.init([torch.zeros(3, dtype=F64)]))
+    torch.testing.assert_close(updates[0], torch.tensor([2 / 2.5, -0.5 / 1.0, 0.0], dtype=F64))
+    torch.testing.assert_close(state.mu[0], torch.tensor([0.2, -0.05, 0.0], dtype=F64))
+    torch.testing.assert_close(state.nu[0], torch.tensor([0.004, 0.00025, 0.0], dtype=F64))
+
+
+def test_scale_by_adam_eps_root_keeps_meta_gradients_finite():
+    """d update / d g at g = 0: infinite slope of sqrt at 0 without eps_root (NaN), finite and exact with it."""
+    state = fadam.scale_by_adam().init([torch.zeros(1, dtype=F64)])
+
+    def update_of(g: torch.Tensor, eps_root: float) -> torch.Tensor:
+        return fadam.scale_by_adam(eps_root=eps_root).update([g], state)[0][0].sum()
+
+    zero = torch.zeros(1, dtype=F64)
+    assert not torch.isfinite(grad(update_of)(zero, 0.0)).all()
+    slope = grad(update_of)(zero, 1e-8)
+    # u = (g (1-b1)/(1-b1)) / (sqrt(g^2 (1-b2)/(1-b2) + eps_root) + eps) -> du/dg at 0 = 1 / (sqrt(eps_root) + eps)
+    torch.testing.assert_close(slope, torch.tensor([1 / (1e-4 + 1e-8)], dtype=F64))
+
+
+def test_scale_by_adam_state_dtypes():
+    grads = _seq(10, dtype=torch.float32)
+    tx = fadam.scale_by_adam(mu_dtype=F64, nu_dtype=torch.bfloat16)
+    ours, state = _run(tx, grads)
+    assert state.mu[0].dtype == F64 and state.nu[0].dtype == torch.bfloat16
+    assert all(u.dtype == torch.float32 for u in ours)
+    reference = _adam_reference([g.double() for g in grads])
+    # nu in bf16 carries ~3 significant digits; the update's relative error follows half of nu's
+    torch.testing.assert_close(ours[-1].double(), reference[-1], rtol=1e-2, atol=1e-6)
+    precise, _ = _run(fadam.scale_by_adam(mu_dtype=F64, nu_dtype=F64), grads)
+    torch.testing.assert_close(precise[-1].double(), reference[-1], rtol=1e-6, atol=1e-7)
+
+
+def test_scale_by_adam_state_dtype_keeps_complex_params_complex():
+    """A real ``mu_dtype`` for a complex param means the complex dtype of that precision (nothing is dropped)."""
+    grads = _seq(5, dtype=torch.complex64)
+    ours, state = _run(fadam.scale_by_adam(mu_dtype=F64, nu_dtype=F64, amsgrad=True), grads)
+    assert state.mu[0].dtype == state.nu[0].dtype == state.nu_max[0].dtype == torch.complex128
+    default, _ = _run(fadam.scale_by_adam(amsgrad=True), grads)
+    torch.testing.assert_close(ours[-1], default[-1], rtol=1e-5, atol=1e-6)
+    assert ours[-1].dtype == torch.complex64 and ours[-1].imag.abs().max() > 0.1
+
+
+def test_trace_accumulator_dtype_keeps_complex_params_complex():
+    grads = _seq(4, dtype=torch.complex64)
+    ours, state = _run(fadam.trace(0.9, accumulator_dtype=F64), grads)
+    assert state.trace[0].dtype == torch.complex128
+    torch.testing.assert_close(ours[-1], _run(fadam.trace(0.9), grads)[0][-1])
+
+
+def test_scale_by_adam_none_gradient_skips_leaf():
+    tx = fadam.scale_by_adam()
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    state = tx.init(params)
+    _, state = tx.update({"a": torch.ones(2), "b": torch.ones(2)}, state)
+    updates, new_state = tx.update({"a": torch.ones(2), "b": None}, state)
+    assert updates["b"] is None
+    assert new_state.mu["b"] is state.mu["b"] and new_state.nu["b"] is state.nu["b"]
+    assert not torch.equal(new_state.mu["a"], state.mu["a"])
+
+
+# ------------------------------------------------------------------------------------------------------------ trace
+
+
+def test_trace_by_hand():
+    g1, g2, g3 = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([-1.0])
+    ours, state = _run(fadam.trace(0.5), [g1, g2, g3])
+    # t1 = 1, t2 = 0.5 + 2 = 2.5, t3 = 1.25 - 1 = 0.25 (optax's trace; torch's buffer on step 1 is g1 too)
+    assert [float(u) for u in ours] == [1.0, 2.5, 0.25]
+    assert int(state.count) == 3
+    nesterov, _ = _run(fadam.trace(0.5, nesterov=True), [g1, g2, g3])
+    assert [float(u) for u in nesterov] == [1.5, 3.25, -0.875]  # g + 0.5 t
+    damped, _ = _run(fadam.trace(0.5, dampening=0.5), [g1, g2, g3])
+    # torch.optim.SGD: the first buffer is g1, undamped; then 0.5 t + 0.5 g
+    assert [float(u) for u in damped] == [1.0, 1.5, 0.25]
+
+
+def test_trace_matches_optax_definition_over_many_steps():
+    grads = _seq(30)
+    ours, _ = _run(fadam.trace(0.9, nesterov=True), grads)
+    t = torch.zeros(5, dtype=F64)
+    for g, u in zip(grads, ours):
+        t = g + 0.9 * t
+        torch.testing.assert_close(u, g + 0.9 * t, rtol=1e-14, atol=1e-15)
+
+
+# ------------------------------------------------------------------------------------------------------- clipping
+
+
+def test_clip_by_hand():
+    updates, _ = fadam.clip(1.5).update({"a": torch.tensor([-3.0, 1.0, 2.0]), "b": None}, fadam.EmptyState())
+    assert updates["a"].tolist() == [-1.5, 1.0, 1.5] and updates["b"] is None
+    tensor_bound, _ = fadam.clip(torch.tensor(0.5)).update([torch.tensor([-1.0, 0.25])], fadam.EmptyState())
+    assert tensor_bound[0].tolist() == [-0.5, 0.25]
+
+
+def test_clip_by_global_norm_by_hand():
+    tx = fadam.clip_by_global_norm(1.0)
+    updates = {"a": torch.tensor([3.0, 4.0], dtype=F64), "b": torch.tensor([[12.0]], dtype=F64), "c": None}
+    clipped, _ = tx.update(updates, tx.init(None))  # global norm 13
+    torch.testing.assert_close(clipped["a"], torch.tensor([3 / 13, 4 / 13], dtype=F64))
+    torch.testing.assert_close(clipped["b"], torch.tensor([[12 / 13]], dtype=F64))
+    assert clipped["c"] is None
+    kept, _ = fadam.clip_by_global_norm(20.0).update(updates, fadam.EmptyState())
+    assert torch.equal(kept["a"], updates["a"]) and torch.equal(kept["b"], updates["b"])
+
+
+def test_clip_by_global_norm_counts_complex_by_modulus():
+    clipped, _ = fadam.clip_by_global_norm(1.0).update([torch.tensor([3 + 4j])], fadam.EmptyState())
+    torch.testing.assert_close(clipped[0], torch.tensor([0.6 + 0.8j]))
+
+
+# ----------------------------------------------------------------------------------------------------------- decay
+
+
+def test_add_decayed_weights_by_hand():
+    params = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([1.0])}
+    updates = {"w": torch.tensor([1.0, 1.0]), "b": torch.tensor([0.5])}
+    out, _ = fadam.add_decayed_weights(0.5).update(updates, fadam.EmptyState(), params)
+    assert out["w"].tolist() == [2.0, -1.0] and out["b"].tolist() == [1.0]
+    out, _ = fadam.add_decayed_weights(torch.tensor(0.5)).update(updates, fadam.EmptyState(), params)
+    assert out["w"].tolist() == [2.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [{"w": True, "b": False}, lambda params: {k: v.ndim > 0 and v.numel() > 1 for k, v in params.items()}],
+    ids=["bool-tree", "callable"],
+)
+def test_add_decayed_weights_with_mask(mask):
+    params = {"w": torch.tensor([2.0, -4.0]), "b": torch.tensor([1.0])}
+    updates = {"w": torch.tensor([1.0, 1.0]), "b": torch.tensor([0.5])}
+    tx = fadam.add_decayed_weights(0.5, mask=mask)
+    out, _ = tx.update(updates, tx.init(params), params)
+    assert out["w"].tolist() == [2.0, -1.0]
+    assert out["b"] is updates["b"]  # not selected: passed through untouched
+
+
+def test_add_decoupled_weight_decay_rounds_like_torch_adamw():
+    """p + u == torch's ``p.mul_(1 - lr * wd)`` then ``p.add_(g)``, bit for bit in float32."""
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen) * 1e-3
+    out, _ = fadam.add_decoupled_weight_decay(1e-3, 1e-2).update([g], fadam.EmptyState(), [p])
+    assert torch.equal(p + out[0], p.clone().mul_(1 - 1e-3 * 1e-2).add_(g))
+
+
+def test_add_decoupled_weight_decay_schedule_reads_count():
+    tx = fadam.add_decoupled_weight_decay(lambda count: 0.1 * (count.to(F64) + 1), 0.5)
+    params = [torch.ones(1, dtype=F64)]
+    state = tx.init(params)
+    out1, state = tx.update([torch.zeros(1, dtype=F64)], state, params)
+    out2, state = tx.update([torch.zeros(1, dtype=F64)], state, params)
+    torch.testing.assert_close(out1[0], torch.tensor([-0.05], dtype=F64))  # lr 0.1 at count 0
+    torch.testing.assert_close(out2[0], torch.tensor([-0.1], dtype=F64))  # lr 0.2 at count 1
+    assert int(state.count) == 2
+
+
+# --------------------------------------------------------------------------------------------------------- scaling
+
+
+def test_scale_and_schedule():
+    assert fadam.scale(-2.0).update([torch.tensor([1.5])], fadam.EmptyState())[0][0].tolist() == [-3.0]
+    tx = fadam.scale_by_schedule(lambda count: 1.0 / (count + 1))
+    out, state = _run(tx, [torch.ones(1)] * 4)
+    torch.testing.assert_close(torch.cat(out), torch.tensor([1.0, 0.5, 1 / 3, 0.25]))
+    assert int(state.count) == 4
+
+
+@pytest.mark.parametrize(
+    ("learning_rate", "expected"),
+    [
+        (0.1, [-0.1, -0.1, -0.1]),
+        (torch.tensor(0.1, dtype=F64), [-0.1, -0.1, -0.1]),
+        (lambda count: 0.1 * 0.5 ** count.to(F64), [-0.1, -0.05, -0.025]),
+    ],
+    ids=["float", "tensor", "schedule"],
+)
+def test_scale_by_learning_rate(learning_rate, expected):
+    out, _ = _run(fadam.scale_by_learning_rate(learning_rate), [torch.ones(1, dtype=F64)] * 3)
+    torch.testing.assert_close(torch.cat(out), torch.tensor(expected, dtype=F64))
+    ascent, _ = _run(fadam.scale_by_learning_rate(learning_rate, flip_sign=False), [torch.ones(1, dtype=F64)] * 3)
+    torch.testing.assert_close(torch.cat(ascent), -torch.tensor(expected, dtype=F64))
+
+
+def test_tensor_learning_rate_carries_gradient():
+    """A 0-d lr that requires grad stays in the graph: d(update)/d(lr) = -g."""
+    lr = torch.tensor(0.1, requires_grad=True)
+    out, _ = fadam.scale_by_learning_rate(lr).update([torch.tensor([2.0, 3.0])], fadam.EmptyState())
+    out[0].sum().backward()
+    assert float(lr.grad) == -5.0
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("factory", "named"),
+    [
+        (lambda: fadam.scale_by_adam(b1=1.0), "b1"),
+        (lambda: fadam.scale_by_adam(b2=-0.1), "b2"),
+        (lambda: fadam.scale_by_adam(eps=-1e-8), "eps"),
+        (lambda: fadam.scale_by_adam(eps_root=-1.0), "eps_root"),
+        (lambda: fadam.scale_by_adam(b1=math.nan), "b1"),
+        (lambda: fadam.trace(-0.5), "momentum: -0.5"),
+        (lambda: fadam.trace(0.0, nesterov=True), "Nesterov"),
+        (lambda: fadam.trace(0.9, dampening=-1.0), "dampening"),
+        (lambda: fadam.clip(-1.0), "max_delta"),
+        (lambda: fadam.clip_by_global_norm(-1.0), "max_norm"),
+        (lambda: fadam.add_decayed_weights(-0.1), "weight_decay"),
+        (lambda: fadam.add_decayed_weights(torch.tensor([0.1, 0.2])), "1-element"),
+        (lambda: fadam.add_decoupled_weight_decay(0.1, -1.0), "weight_decay"),
+        (lambda: fadam.scale_by_learning_rate(-0.1), "learning rate: -0.1"),
+    ],
+)
+def test_invalid_arguments_raise_value_error_naming_them(factory, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        factory()
