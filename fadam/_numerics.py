@@ -1,4 +1,4 @@
-"""Small numeric helpers shared by stateful transforms: step counters and bias corrections."""
+"""Small numeric helpers shared by stateful transforms: step counters, bias corrections, a twice-differentiable sqrt."""
 
 from __future__ import annotations
 
@@ -27,3 +27,22 @@ def bias_correction(decay: float | torch.Tensor, count: torch.Tensor) -> torch.T
     if isinstance(decay, torch.Tensor):
         return 1 - decay.to(torch.float64) ** exponent
     return 1 - torch.pow(decay, exponent)
+
+
+def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(x)`` for ``x >= 0`` whose derivatives of every order are finite at 0 (they are 0 there).
+
+    ``d sqrt(x)/dx = 1 / (2 sqrt(x))`` is infinite at 0, and autograd multiplies it by the zero derivative of the
+    argument (Adam's ``v`` where the gradient is exactly zero), giving NaN meta-gradients. The inner ``where`` keeps
+    the square root away from 0, the outer one selects 0 there, so no infinity is ever formed; the value is exactly
+    ``torch.sqrt(x)`` everywhere. It costs two extra passes, so transforms use it only when autograd records the step.
+
+    Example:
+        >>> import torch
+        >>> from fadam._numerics import safe_sqrt
+        >>> v = torch.tensor([0.0, 4.0], requires_grad=True)
+        >>> torch.autograd.grad(safe_sqrt(v).sum(), v)[0]
+        tensor([0.0000, 0.2500])
+    """
+    positive = x > 0
+    return torch.where(positive, torch.sqrt(torch.where(positive, x, 1.0)), 0.0)
