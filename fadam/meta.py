@@ -78,8 +78,8 @@ class MetaOptimizer:
     Args:
         module: the module whose parameters are stepped.
         tx: the transform, e.g. ``fadam.sgd(lr=0.01)`` or ``fadam.adam(lr=alpha)`` with a tensor ``alpha``.
-        truncate: if given, the graph is cut (``stop_gradient`` of parameters and state) before every ``truncate``-th
-            step, so backpropagation runs through at most the last ``truncate`` steps.
+        truncate: if given, the graph is cut (``stop_gradient`` of parameters and state) after every ``truncate``
+            steps: backpropagation runs through the steps since the last cut only (truncated backpropagation).
 
     Example:
         >>> import torch, fadam
@@ -133,16 +133,21 @@ class MetaOptimizer:
 
     def step(self, loss: torch.Tensor) -> None:
         """One differentiable step on ``loss``: the module's parameters become the updated tensors."""
-        if self.truncate is not None and self.steps > 0 and self.steps % self.truncate == 0:
-            self.stop_gradient()
         params = self.params()
         names = [name for name, p in params.items() if p.requires_grad]
         if not names:
             raise ValueError("MetaOptimizer.step: no parameter of the module requires grad")
-        found = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True, allow_unused=True)
+        # Truncation cuts here, after ``loss`` was computed from the old parameters. Backpropagation that starts at a
+        # detached copy of them sees the gradient as a constant, so it is taken without a graph: the result equals a
+        # ``stop_gradient()`` called before ``loss`` was computed.
+        cut = self.truncate is not None and self.steps > 0 and self.steps % self.truncate == 0
+        found = torch.autograd.grad(loss, [params[n] for n in names], create_graph=not cut, allow_unused=True)
         grads: dict[str, torch.Tensor | None] = dict.fromkeys(params)
         grads.update(zip(names, found))
-        updates, self.state = self.tx.update(grads, self.state, params)
+        state = self.state
+        if cut:
+            params, state = stop_gradient(params), stop_gradient(state)
+        updates, self.state = self.tx.update(grads, state, params)
         self._set_params(apply_updates(params, updates))
         self.steps += 1
 
