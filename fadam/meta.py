@@ -148,7 +148,7 @@ class MetaOptimizer:
         if cut:
             params, state = stop_gradient(params), stop_gradient(state)
         updates, self.state = self.tx.update(grads, state, params)
-        self._set_params(apply_updates(params, updates))
+        self._set_params(_add_updates(params, updates))
         self.steps += 1
 
     def stop_gradient(self) -> None:
@@ -181,6 +181,16 @@ class MetaOptimizer:
                 buffer.copy_(snapshot.buffers[name])
         self.state = snapshot.state
         self.steps = 0
+
+
+def _add_updates(params: dict[str, torch.Tensor], updates: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """``apply_updates`` for the flat dict built here (its structure checks are already guaranteed)."""
+    if not isinstance(updates, dict) or updates.keys() != params.keys():
+        return apply_updates(params, updates)  # a transform that changed the structure: let apply_updates explain
+    return {
+        name: p if (u := updates[name]) is None else p + (u if u.dtype == p.dtype else u.to(p.dtype))
+        for name, p in params.items()
+    }
 
 
 def _detached_copy(x: Any) -> Any:

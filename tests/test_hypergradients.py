@@ -250,3 +250,26 @@ def test_step_never_fuses_or_writes_in_place_when_a_graph_is_needed(donate: bool
         torch.testing.assert_close(results[0].detach(), results[1])
         if not donate:
             assert torch.equal(params["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("with_zero", [True, False], ids=["general-path", "cpu-no-zero-path"])
+def test_safe_sqrt_values_and_derivatives(with_zero: bool) -> None:
+    from fadam._numerics import safe_sqrt
+
+    x = torch.tensor([0.0 if with_zero else 0.25, 4.0, 2.0], dtype=F64, requires_grad=True)
+    assert torch.equal(safe_sqrt(x), torch.sqrt(x))
+    (first,) = torch.autograd.grad(safe_sqrt(x).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(first.sum(), x)
+    expected_first, expected_second = 0.5 * x.detach() ** -0.5, -0.25 * x.detach() ** -1.5
+    if with_zero:
+        expected_first[0] = expected_second[0] = 0.0
+    torch.testing.assert_close(first, expected_first, rtol=1e-12, atol=0)
+    torch.testing.assert_close(second, expected_second, rtol=1e-12, atol=0)
+    special = torch.tensor([float("nan"), -1.0, float("inf"), 0.0])
+    torch.testing.assert_close(safe_sqrt(special), torch.sqrt(special).abs(), equal_nan=True)  # NaN stays NaN
+    # inside torch.func (vmap over rows, one with a zero) the general path runs and agrees
+    rows = torch.tensor([[0.0, 1.0], [4.0, 9.0]])
+    torch.testing.assert_close(
+        torch.func.vmap(torch.func.grad(lambda v: safe_sqrt(v).sum()))(rows),
+        torch.tensor([[0.0, 0.5], [0.25, 1 / 6]]),
+    )

@@ -118,8 +118,8 @@ def scale_by_adam(
             gr = torch.view_as_real(g) if complex_leaf else g
             mur = torch.view_as_real(mu) if complex_leaf else mu
             nur = torch.view_as_real(nu) if complex_leaf else nu
-            mu_new = mur.lerp(gr.to(mur.dtype), _cast(1 - b1, mur.dtype))
-            g_nu = gr.to(nur.dtype)
+            mu_new = mur.lerp(_as(gr, mur.dtype), _cast(1 - b1, mur.dtype))
+            g_nu = _as(gr, nur.dtype)
             if isinstance(b2, torch.Tensor):  # addcmul's value must be a number; this rounds the same way
                 nu_new = torch.addcmul(nur * b2.to(nur.dtype), g_nu * (1 - b2).to(nur.dtype), g_nu)
             else:
@@ -128,16 +128,16 @@ def scale_by_adam(
             if amsgrad:
                 nu_max_new = torch.maximum(torch.view_as_real(nu_max) if complex_leaf else nu_max, nu_new)
                 denom_source = nu_max_new
-            sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt
             if not isinstance(eps_root, torch.Tensor) and eps_root == 0.0:
+                sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt  # only autograd needs the safe one
                 denom = sqrt(denom_source) / bc2_sqrt + eps  # torch.optim's order of operations
-            else:
-                denom = sqrt(denom_source / (bc2_sqrt * bc2_sqrt) + eps_root) + eps
+            else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
+                denom = torch.sqrt(denom_source / (bc2_sqrt * bc2_sqrt) + eps_root) + eps
             if nesterov:
-                numer = mu_new * (b1 / bc1_next) + gr.to(mu_new.dtype) * ((1 - b1) / bc1)
+                numer = mu_new * (b1 / bc1_next) + _as(gr, mu_new.dtype) * ((1 - b1) / bc1)
             else:
                 numer = mu_new / bc1
-            u = (numer / denom).to(gr.dtype)
+            u = _as(numer / denom, gr.dtype)
             if complex_leaf:
                 u, mu_new, nu_new = (
                     torch.view_as_complex(u),
@@ -146,7 +146,7 @@ def scale_by_adam(
                 )
                 if amsgrad:
                     nu_max_new = torch.view_as_complex(nu_max_new)
-            new_updates.append(u.to(out_dtype))
+            new_updates.append(_as(u, out_dtype))
             new_mus.append(mu_new)
             new_nus.append(nu_new)
             new_nu_maxes.append(nu_max_new if amsgrad else None)
@@ -159,6 +159,11 @@ def scale_by_adam(
         return spec.unflatten(new_updates), ScaleByAdamState(count, mu_tree, nu_tree)
 
     return GradientTransformation(init, update)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when it would be a no-op (it costs as much as a small op on the meta path)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _cast(weight: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
