@@ -72,7 +72,10 @@ def _flat_inputs(case: Case) -> tuple[list[torch.Tensor], Callable[[list[torch.T
 
 def unrolled_autograd(case: Case, params: dict, hparams: dict, steps: int = STEPS) -> torch.Tensor:
     """Validation loss after ``steps`` inner steps, inner gradients by ``torch.autograd.grad(create_graph=True)``."""
-    tx = case.factory(**hparams, **case.static)
+    return unrolled_loop(case.factory(**hparams, **case.static), params, steps)
+
+
+def unrolled_loop(tx: fadam.GradientTransformation, params: dict, steps: int) -> torch.Tensor:
     state = tx.init(params)
     for _ in range(steps):
         leaves = list(params.values())
@@ -273,3 +276,45 @@ def test_safe_sqrt_values_and_derivatives(with_zero: bool) -> None:
         torch.func.vmap(torch.func.grad(lambda v: safe_sqrt(v).sum()))(rows),
         torch.tensor([[0.0, 0.5], [0.25, 1 / 6]]),
     )
+
+
+def _other_transforms(h: torch.Tensor) -> list[tuple[str, fadam.GradientTransformation]]:
+    """Every other transform and combinator, each made to depend on the hyperparameter tensor ``h``."""
+    return [
+        ("clip", fadam.chain(fadam.clip(h), fadam.scale(-0.1))),
+        ("scale_by_schedule", fadam.scale_by_schedule(lambda count: -h / (count + 1))),
+        (
+            "add_decayed_weights-mask",
+            fadam.chain(fadam.add_decayed_weights(h, mask={"w": True, "b": False}), fadam.sgd(0.1)),
+        ),
+        ("add_decoupled_weight_decay", fadam.chain(fadam.scale(-0.1), fadam.add_decoupled_weight_decay(0.1, h))),
+        ("masked", fadam.masked(fadam.adam(lr=h), {"w": True, "b": False})),
+        (
+            "partition",
+            fadam.partition({"a": fadam.adam(lr=h), "s": fadam.sgd(lr=h, momentum=0.5)}, {"w": "a", "b": "s"}),
+        ),
+        (
+            "named_chain",
+            fadam.named_chain(("adam", fadam.scale_by_adam(b1=h)), ("lr", fadam.scale_by_learning_rate(0.1))),
+        ),
+        ("sgd-dampening", fadam.sgd(lr=0.1, momentum=h, dampening=0.3)),
+        (
+            "adam-eps_root-nesterov",
+            fadam.chain(fadam.scale_by_adam(eps_root=1e-6, nesterov=True, b1=h), fadam.scale(-0.1)),
+        ),
+        ("amsgrad-maximize", fadam.adam(lr=h, amsgrad=True, maximize=True)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(10), ids=lambda i: _other_transforms(torch.tensor(0.5))[i][0])
+def test_every_transform_is_differentiable_in_params_and_hyperparameters(index: int) -> None:
+    def fn(w: torch.Tensor, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        tx = _other_transforms(h)[index][1]
+        params = {"w": w, "b": b}
+        return unrolled_loop(tx, params, steps=3)
+
+    inputs = [PARAMS0["w"].clone().requires_grad_(), PARAMS0["b"].clone().requires_grad_()]
+    inputs.append(torch.tensor(0.5, dtype=F64, requires_grad=True))
+    grads = torch.autograd.grad(fn(*inputs), inputs)
+    assert grads[-1].abs() > 1e-8  # the hyperparameter is really in the graph
+    assert torch.autograd.gradcheck(fn, inputs)
