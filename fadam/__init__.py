@@ -29,6 +29,7 @@ from fadam._tree import (
 from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.meta import MetaOptimizer, MetaSnapshot, stop_gradient
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
 from fadam.transforms._clipping import clip, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
@@ -46,6 +47,8 @@ __all__ = [
     "GradientTransformationExtraArgs",
     "MaskedNode",
     "MaskedState",
+    "MetaOptimizer",
+    "MetaSnapshot",
     "PartitionState",
     "ScalarOrSchedule",
     "ScaleByAdamState",
@@ -77,6 +80,7 @@ __all__ = [
     "stateless",
     "stateless_with_tree_map",
     "step",
+    "stop_gradient",
     "trace",
     "tree_add",
     "tree_cast",

@@ -193,7 +193,8 @@ def step(
     if not donate:
         return apply_updates(params, updates), new_state
     update_leaves, param_leaves, _ = check_leaves(updates, params)
-    if not all(is_plain(p) for p in param_leaves):
+    # writing in place under no_grad would cut the graph: updates that carry one (a learned lr) are added out of place
+    if not all(is_plain(t) for t in param_leaves + update_leaves if t is not None):
         return apply_updates(params, updates), new_state
     with torch.no_grad():
         for p, u in zip(param_leaves, update_leaves):

@@ -32,6 +32,10 @@ def _learning_rate(lr: ScalarOrSchedule, lr_state: Any) -> float | torch.Tensor 
     return value
 
 
+def _any_tensor(*hyperparams: Any) -> bool:
+    return any(isinstance(h, torch.Tensor) for h in hyperparams)
+
+
 def _advance(state: Any) -> Any:
     """The state a count-only member of the chain (schedules, stateless transforms) has after one step."""
     return ScaleByScheduleState(safe_increment(state.count)) if isinstance(state, ScaleByScheduleState) else state
@@ -73,7 +77,7 @@ def fused_adam_step(
     kernel_fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-        if isinstance(weight_decay, torch.Tensor):
+        if _any_tensor(weight_decay, b1, b2, eps):  # the kernel takes numbers: a tensor may carry a graph
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         adam_state = state[adam_index]
@@ -135,7 +139,7 @@ def fused_sgd_step(
     maximize: bool,
 ) -> FusedStep:
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-        if isinstance(weight_decay, torch.Tensor):
+        if _any_tensor(weight_decay, momentum, dampening):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         bufs = (

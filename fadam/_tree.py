@@ -13,7 +13,8 @@ from typing import Any
 import optree
 import torch
 
-from fadam._numerics import dtype_for
+from fadam._dispatch import is_plain, real_view
+from fadam._numerics import dtype_for, safe_sqrt
 
 PyTree = Any
 
@@ -93,12 +94,20 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
 
 
 def tree_global_norm(tree: PyTree) -> torch.Tensor:
-    """L2 norm over all elements of all leaves (complex leaves by modulus), as a 0-d tensor."""
+    """L2 norm over all elements of all leaves (complex leaves by modulus), as a 0-d tensor.
+
+    When autograd records it, the squares are summed with ``dot`` and the root is ``safe_sqrt``: the second derivative
+    of ``vector_norm`` is NaN at a zero leaf, which would poison meta-gradients through ``clip_by_global_norm``.
+    """
     leaves = [x for x in tree_leaves(tree) if x is not None]
     if not leaves:
         return torch.zeros([])
-    squares = [torch.linalg.vector_norm(x) ** 2 for x in leaves]
-    return torch.sqrt(sum(squares[1:], squares[0]))
+    if all(is_plain(x) for x in leaves):
+        squares = [torch.linalg.vector_norm(x) ** 2 for x in leaves]
+        return torch.sqrt(sum(squares[1:], squares[0]))
+    flat = [real_view(x).reshape(-1) for x in leaves]
+    squares = [torch.dot(x, x) for x in flat]
+    return safe_sqrt(sum(squares[1:], squares[0]))
 
 
 def _is_empty_node(x: Any) -> bool:

@@ -14,6 +14,12 @@ from fadam.transforms._adam import scale_by_adam
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._momentum import trace
 from fadam.transforms._scaling import scale, scale_by_learning_rate
+from fadam.transforms._validation import known_value
+
+
+def _value(x: float | torch.Tensor) -> float:
+    """A hyperparameter's value for the checks below; a tensor's inside torch.func transforms is unknown (taken 0)."""
+    return known_value(x, 0.0)
 
 
 def _check_lr(lr: ScalarOrSchedule) -> None:
@@ -21,18 +27,20 @@ def _check_lr(lr: ScalarOrSchedule) -> None:
         return
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if not lr >= 0.0:
+    if not _value(lr) >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
-def _check_adam_args(lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def _check_adam_args(
+    lr: ScalarOrSchedule, betas: tuple[float | torch.Tensor, float | torch.Tensor], eps: float, weight_decay: float
+) -> None:
     _check_lr(lr)
-    if not eps >= 0.0:
+    if not _value(eps) >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
     for index, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
+        if not 0.0 <= _value(beta) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    if not weight_decay >= 0.0:
+    if not _value(weight_decay) >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
@@ -42,12 +50,13 @@ def _has_decay(weight_decay: float | torch.Tensor) -> bool:
 
 def adam(
     lr: ScalarOrSchedule = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float | torch.Tensor = 0.0,
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    moment_requires_grad: bool = False,
 ) -> GradientTransformation:
     r"""Adam exactly as ``torch.optim.Adam``, including its coupled L2 weight decay.
 
@@ -64,6 +73,7 @@ def adam(
         weight_decay: L2 penalty added to the gradient (torch.optim.Adam's ``weight_decay``).
         amsgrad: torch.optim's AMSGrad (running maximum of the raw second moment).
         maximize: maximize the objective (the gradient is negated before weight decay, as in torch.optim).
+        moment_requires_grad: create the moments requiring grad (meta-gradients into the initial state).
 
     Example:
         >>> import torch, fadam
@@ -81,7 +91,8 @@ def adam(
     head = [scale(-1.0)] if maximize else []
     if _has_decay(weight_decay):
         head.append(add_decayed_weights(weight_decay))
-    tx = chain(*head, scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad), scale_by_learning_rate(lr))
+    adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
+    tx = chain(*head, adam_tx, scale_by_learning_rate(lr))
     fused = fused_adam_step(
         adam_index=len(head),
         lr=lr,
@@ -98,12 +109,13 @@ def adam(
 
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float | torch.Tensor = 1e-2,
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    moment_requires_grad: bool = False,
 ) -> GradientTransformation:
     r"""AdamW exactly as ``torch.optim.AdamW``: weight decay decoupled from the gradient and scaled by the lr.
 
@@ -122,6 +134,7 @@ def adamw(
         weight_decay: decoupled weight decay :math:`\lambda` (default 1e-2, as torch.optim.AdamW).
         amsgrad: torch.optim's AMSGrad.
         maximize: maximize the objective.
+        moment_requires_grad: create the moments requiring grad (meta-gradients into the initial state).
 
     Example:
         >>> import torch, fadam
@@ -137,7 +150,8 @@ def adamw(
     _check_adam_args(lr, betas, eps, weight_decay)
     head = [scale(-1.0)] if maximize else []
     tail = [add_decoupled_weight_decay(lr, weight_decay)] if _has_decay(weight_decay) else []
-    tx = chain(*head, scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad), scale_by_learning_rate(lr), *tail)
+    adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
+    tx = chain(*head, adam_tx, scale_by_learning_rate(lr), *tail)
     fused = fused_adam_step(
         adam_index=len(head),
         lr=lr,
@@ -154,12 +168,13 @@ def adamw(
 
 def sgd(
     lr: ScalarOrSchedule = 1e-3,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
+    momentum: float | torch.Tensor = 0.0,
+    dampening: float | torch.Tensor = 0.0,
     weight_decay: float | torch.Tensor = 0.0,
     nesterov: bool = False,
     *,
     maximize: bool = False,
+    moment_requires_grad: bool = False,
 ) -> GradientTransformation:
     r"""Stochastic gradient descent exactly as ``torch.optim.SGD``.
 
@@ -174,6 +189,7 @@ def sgd(
         weight_decay: L2 penalty added to the gradient.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: maximize the objective.
+        moment_requires_grad: create the momentum buffer requiring grad (meta-gradients into the initial state).
 
     Example:
         >>> import torch, fadam
@@ -184,19 +200,19 @@ def sgd(
         [tensor([-0.1000])]
     """
     _check_lr(lr)
-    if not momentum >= 0.0:
+    if not _value(momentum) >= 0.0:
         raise ValueError(f"Invalid momentum value: {momentum}")
-    if not weight_decay >= 0.0:
+    if not _value(weight_decay) >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if nesterov and (momentum <= 0 or dampening != 0):
+    if nesterov and not (known_value(momentum, 1.0) > 0 and known_value(dampening, 0.0) == 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     transforms = [scale(-1.0)] if maximize else []
     if _has_decay(weight_decay):
         transforms.append(add_decayed_weights(weight_decay))
     trace_index = None
-    if momentum != 0:
+    if isinstance(momentum, torch.Tensor) or momentum != 0:  # a tensor momentum may be learned away from 0
         trace_index = len(transforms)
-        transforms.append(trace(momentum, nesterov, dampening=dampening))
+        transforms.append(trace(momentum, nesterov, dampening=dampening, moment_requires_grad=moment_requires_grad))
     tx = chain(*transforms, scale_by_learning_rate(lr))
     fused = fused_sgd_step(
         trace_index=trace_index,

@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, dtype_for, safe_increment, zero_count
+from fadam._dispatch import is_plain
+from fadam._numerics import bias_correction, dtype_for, safe_increment, safe_sqrt, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative, check_unit_interval
 
@@ -26,15 +27,16 @@ class ScaleByAmsgradState(NamedTuple):
 
 
 def scale_by_adam(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
     *,
     amsgrad: bool = False,
     nesterov: bool = False,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
+    moment_requires_grad: bool = False,
 ) -> GradientTransformation:
     r"""Rescales updates by Adam's bias-corrected moment estimates.
 
@@ -49,15 +51,23 @@ def scale_by_adam(
     moment is kept per real and imaginary component. A ``None`` update skips its leaf: moments untouched, update
     ``None``.
 
+    The update is differentiable in everything: gradients, moments and the hyperparameters, which may be 0-d tensors
+    requiring grad (hypergradients). When autograd records the step, the square root is ``safe_sqrt``, whose
+    derivatives stay finite where the second moment is exactly zero (a gradient entry that is zero but depends on
+    the params), so meta-gradients through many steps are finite even with ``eps_root = 0``; the values are the same.
+
     Args:
         b1: decay of the first moment.
         b2: decay of the second moment.
         eps: added to the denominator outside the square root.
-        eps_root: added inside the square root; keeps meta-gradients finite where the second moment is zero.
+        eps_root: added inside the square root (optax's ``eps_root``): smooths meta-gradients where the second
+            moment is tiny.
         amsgrad: use the running maximum of the second moment (torch.optim's AMSGrad).
         nesterov: Nesterov momentum in the first moment.
         mu_dtype: dtype of the first moment (default: the param's).
         nu_dtype: dtype of the second moment (default: the param's).
+        moment_requires_grad: ``init`` creates the moments as leaf tensors requiring grad, so meta-gradients flow
+            into the initial state (torchopt's ``moment_requires_grad``).
 
     Example:
         >>> import torch, fadam
@@ -77,12 +87,13 @@ def scale_by_adam(
     check_non_negative("eps_root", eps_root)
 
     def init(params: PyTree) -> ScaleByAdamState | ScaleByAmsgradState:
-        mu = tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, mu_dtype)), params)
-        nu = tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, nu_dtype)), params)
+        def zeros(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+            return torch.zeros_like(p, dtype=dtype_for(p, dtype), requires_grad=moment_requires_grad)
+
+        mu = tree_map(lambda p: zeros(p, mu_dtype), params)
+        nu = tree_map(lambda p: zeros(p, nu_dtype), params)
         if amsgrad:
-            return ScaleByAmsgradState(
-                zero_count(), mu, nu, tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, nu_dtype)), params)
-            )
+            return ScaleByAmsgradState(zero_count(), mu, nu, tree_map(lambda p: zeros(p, nu_dtype), params))
         return ScaleByAdamState(zero_count(), mu, nu)
 
     def update(
@@ -109,22 +120,26 @@ def scale_by_adam(
             gr = torch.view_as_real(g) if complex_leaf else g
             mur = torch.view_as_real(mu) if complex_leaf else mu
             nur = torch.view_as_real(nu) if complex_leaf else nu
-            mu_new = mur.lerp(gr.to(mur.dtype), 1 - b1)
-            g_nu = gr.to(nur.dtype)
-            nu_new = torch.addcmul(nur * b2, g_nu, g_nu, value=1 - b2)
+            mu_new = mur.lerp(_as(gr, mur.dtype), _cast(1 - b1, mur.dtype))
+            g_nu = _as(gr, nur.dtype)
+            if isinstance(b2, torch.Tensor):  # addcmul's value must be a number; this rounds the same way
+                nu_new = torch.addcmul(nur * b2.to(nur.dtype), g_nu * (1 - b2).to(nur.dtype), g_nu)
+            else:
+                nu_new = torch.addcmul(nur * b2, g_nu, g_nu, value=1 - b2)
             denom_source = nu_new
             if amsgrad:
                 nu_max_new = torch.maximum(torch.view_as_real(nu_max) if complex_leaf else nu_max, nu_new)
                 denom_source = nu_max_new
-            if eps_root == 0.0:
-                denom = denom_source.sqrt() / bc2_sqrt + eps  # torch.optim's order of operations
-            else:
+            if not isinstance(eps_root, torch.Tensor) and eps_root == 0.0:
+                sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt  # only autograd needs the safe one
+                denom = sqrt(denom_source) / bc2_sqrt + eps  # torch.optim's order of operations
+            else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
                 denom = torch.sqrt(denom_source / (bc2_sqrt * bc2_sqrt) + eps_root) + eps
             if nesterov:
-                numer = mu_new * (b1 / bc1_next) + gr.to(mu_new.dtype) * ((1 - b1) / bc1)
+                numer = mu_new * (b1 / bc1_next) + _as(gr, mu_new.dtype) * ((1 - b1) / bc1)
             else:
                 numer = mu_new / bc1
-            u = (numer / denom).to(gr.dtype)
+            u = _as(numer / denom, gr.dtype)
             if complex_leaf:
                 u, mu_new, nu_new = (
                     torch.view_as_complex(u),
@@ -133,7 +148,7 @@ def scale_by_adam(
                 )
                 if amsgrad:
                     nu_max_new = torch.view_as_complex(nu_max_new)
-            new_updates.append(u.to(out_dtype))
+            new_updates.append(_as(u, out_dtype))
             new_mus.append(mu_new)
             new_nus.append(nu_new)
             new_nu_maxes.append(nu_max_new if amsgrad else None)
@@ -146,3 +161,13 @@ def scale_by_adam(
         return spec.unflatten(new_updates), ScaleByAdamState(count, mu_tree, nu_tree)
 
     return GradientTransformation(init, update)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when it would be a no-op (it costs as much as a small op on the meta path)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _cast(weight: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
+    """A tensor hyperparameter in the leaf's dtype (``lerp`` needs matching dtypes); a float as it is."""
+    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight

@@ -9,7 +9,7 @@ import torch
 from fadam._base import GradientTransformation
 from fadam._numerics import dtype_for, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
-from fadam.transforms._validation import check_non_negative
+from fadam.transforms._validation import check_non_negative, known_value
 
 
 class TraceState(NamedTuple):
@@ -18,7 +18,12 @@ class TraceState(NamedTuple):
 
 
 def trace(
-    decay: float, nesterov: bool = False, *, dampening: float = 0.0, accumulator_dtype: torch.dtype | None = None
+    decay: float | torch.Tensor,
+    nesterov: bool = False,
+    *,
+    dampening: float | torch.Tensor = 0.0,
+    accumulator_dtype: torch.dtype | None = None,
+    moment_requires_grad: bool = False,
 ) -> GradientTransformation:
     r"""Accumulates a momentum trace of the updates.
 
@@ -27,13 +32,16 @@ def trace(
         u_k = \begin{cases} g_k + \mu\, t_k & \text{nesterov} \\ t_k & \text{otherwise}\end{cases}
 
     This is ``torch.optim.SGD``'s momentum buffer: on the first step the buffer is a copy of the gradient (no
-    dampening); with ``dampening = 0`` it equals optax's ``trace``.
+    dampening); with ``dampening = 0`` it equals optax's ``trace``. The update is differentiable in the gradients,
+    the trace and the hyperparameters, which may be 0-d tensors requiring grad.
 
     Args:
         decay: the momentum :math:`\mu`.
         nesterov: Nesterov momentum.
         dampening: the dampening :math:`d` of torch.optim.SGD.
         accumulator_dtype: dtype of the trace (default: the param's).
+        moment_requires_grad: ``init`` creates the trace as leaf tensors requiring grad (meta-gradients into the
+            initial state).
 
     Example:
         >>> import torch, fadam
@@ -45,13 +53,15 @@ def trace(
     """
     check_non_negative("momentum", decay)
     check_non_negative("dampening", dampening)
-    if nesterov and (decay <= 0 or dampening != 0):
+    if nesterov and not (known_value(decay, 1.0) > 0 and known_value(dampening, 0.0) == 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    undamped = known_value(dampening, 1.0) == 0
 
     def init(params: PyTree) -> TraceState:
-        return TraceState(
-            zero_count(), tree_map(lambda p: torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype)), params)
-        )
+        def zeros(p: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype), requires_grad=moment_requires_grad)
+
+        return TraceState(zero_count(), tree_map(zeros, params))
 
     def update(updates: PyTree, state: TraceState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, TraceState]:
         grads, traces, spec = check_leaves(updates, state.trace, like_what="the trace state (params)")
@@ -63,13 +73,21 @@ def trace(
                 new_traces.append(t)
                 continue
             g_acc = g.to(t.dtype)
-            if dampening == 0.0:
-                t_new = torch.add(g_acc, t, alpha=decay) if not isinstance(decay, torch.Tensor) else g_acc + decay * t
+            if undamped:
+                t_new = _add_scaled(g_acc, t, decay)
             else:
                 t_new = torch.where(first_step, g_acc, t * decay + (1 - dampening) * g_acc)
-            u = g_acc + decay * t_new if nesterov else t_new
+            u = _add_scaled(g_acc, t_new, decay) if nesterov else t_new  # torch.optim: grad.add(buf, alpha=momentum)
             new_updates.append(u.to(g.dtype))
             new_traces.append(t_new)
         return spec.unflatten(new_updates), TraceState(safe_increment(state.count), spec.unflatten(new_traces))
 
     return GradientTransformation(init, update)
+
+
+def _add_scaled(x: torch.Tensor, y: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    """``x + factor * y`` rounded as ``torch.add(x, y, alpha=factor)``; ``addcmul`` takes a tensor factor (which
+    autograd then sees) and rounds identically."""
+    if isinstance(factor, torch.Tensor):
+        return torch.addcmul(x, y, factor.to(y.dtype))
+    return torch.add(x, y, alpha=factor)

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule
+from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, stateless_with_tree_map
 from fadam._numerics import safe_increment, zero_count
 from fadam._tree import PyTree, tree_map
 from fadam.transforms._validation import check_non_negative
@@ -79,4 +79,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     if callable(learning_rate):
         return scale_by_schedule(lambda count: sign * learning_rate(count))
     check_non_negative("learning rate", learning_rate)
+    if isinstance(learning_rate, torch.Tensor):
+        # negated at each update: a negated tensor built here would be one graph node shared by every use of the
+        # transform, freed by the first backward (a learned lr reused across outer iterations would then fail)
+        return stateless_with_tree_map(lambda g, p: g * (sign * learning_rate))
     return scale(sign * learning_rate)

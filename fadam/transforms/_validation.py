@@ -14,6 +14,13 @@ def _value(x: float | torch.Tensor) -> float:
     return float(x)
 
 
+def known_value(x: float | torch.Tensor, unknown: float) -> float:
+    """The value of a hyperparameter, or ``unknown`` inside ``torch.func`` transforms where it cannot be read."""
+    if isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x):
+        return unknown
+    return _value(x)
+
+
 def check_non_negative(name: str, value: float | torch.Tensor) -> None:
     if isinstance(value, torch.Tensor) and value.numel() != 1:
         raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
