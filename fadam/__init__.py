@@ -1,6 +1,7 @@
 """fadam: functional optimizers for PyTorch. Transforms are values: ``init(params) -> state`` and
 ``update(updates, state, params=None) -> (updates, state)``, pure functions over pytrees of tensors."""
 
+from fadam import schedules
 from fadam._base import (
     EmptyState,
     FusibleUpdate,
@@ -29,6 +30,22 @@ from fadam._tree import (
 from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    cosine_onecycle_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_onecycle_schedule,
+    linear_schedule,
+    piecewise_constant_schedule,
+    piecewise_interpolate_schedule,
+    polynomial_schedule,
+    sgdr_schedule,
+    warmup_constant_schedule,
+    warmup_cosine_decay_schedule,
+    warmup_exponential_decay_schedule,
+)
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
 from fadam.transforms._clipping import clip, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
@@ -61,17 +78,29 @@ __all__ = [
     "chain",
     "clip",
     "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "cosine_onecycle_schedule",
+    "exponential_decay",
     "global_norm",
     "identity",
+    "join_schedules",
+    "linear_onecycle_schedule",
+    "linear_schedule",
     "masked",
     "named_chain",
     "partition",
+    "piecewise_constant_schedule",
+    "piecewise_interpolate_schedule",
+    "polynomial_schedule",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "schedules",
     "set_to_zero",
     "sgd",
+    "sgdr_schedule",
     "state_from_dict",
     "state_to_dict",
     "stateless",
@@ -86,4 +115,7 @@ __all__ = [
     "tree_scale",
     "tree_sub",
     "tree_zeros_like",
+    "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule",
+    "warmup_exponential_decay_schedule",
 ]

@@ -65,7 +65,7 @@ def fused_adam_step(
     b1: float,
     b2: float,
     eps: float,
-    weight_decay: float | torch.Tensor,
+    weight_decay: ScalarOrSchedule,
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
@@ -73,7 +73,7 @@ def fused_adam_step(
     kernel_fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-        if isinstance(weight_decay, torch.Tensor):
+        if isinstance(weight_decay, torch.Tensor) or callable(weight_decay):  # the kernels take a float decay
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         adam_state = state[adam_index]
@@ -130,12 +130,12 @@ def fused_sgd_step(
     lr: ScalarOrSchedule,
     momentum: float,
     dampening: float,
-    weight_decay: float | torch.Tensor,
+    weight_decay: ScalarOrSchedule,
     nesterov: bool,
     maximize: bool,
 ) -> FusedStep:
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-        if isinstance(weight_decay, torch.Tensor):
+        if isinstance(weight_decay, torch.Tensor) or callable(weight_decay):  # the kernels take a float decay
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         bufs = (

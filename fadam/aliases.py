@@ -14,37 +14,37 @@ from fadam.transforms._adam import scale_by_adam
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._momentum import trace
 from fadam.transforms._scaling import scale, scale_by_learning_rate
+from fadam.transforms._validation import check_non_negative
 
 
 def _check_lr(lr: ScalarOrSchedule) -> None:
     if callable(lr):
         return
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_non_negative("learning rate", lr)  # a tensor lr inside vmap/grad has no readable value; it is skipped
 
 
-def _check_adam_args(lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+def _check_adam_args(
+    lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: ScalarOrSchedule
+) -> None:
     _check_lr(lr)
     if not eps >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
     for index, beta in enumerate(betas):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    if not weight_decay >= 0.0:
+    if not callable(weight_decay) and not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def _has_decay(weight_decay: float | torch.Tensor) -> bool:
-    return isinstance(weight_decay, torch.Tensor) or weight_decay != 0
+def _has_decay(weight_decay: ScalarOrSchedule) -> bool:
+    return isinstance(weight_decay, torch.Tensor) or callable(weight_decay) or weight_decay != 0
 
 
 def adam(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float | torch.Tensor = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
     amsgrad: bool = False,
     *,
     maximize: bool = False,
@@ -61,7 +61,7 @@ def adam(
         lr: learning rate: a float, a 0-d tensor or a schedule.
         betas: decays of the first and second moments.
         eps: added to the denominator.
-        weight_decay: L2 penalty added to the gradient (torch.optim.Adam's ``weight_decay``).
+        weight_decay: L2 penalty added to the gradient (torch.optim.Adam's ``weight_decay``); may be a schedule.
         amsgrad: torch.optim's AMSGrad (running maximum of the raw second moment).
         maximize: maximize the objective (the gradient is negated before weight decay, as in torch.optim).
 
@@ -100,7 +100,7 @@ def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float | torch.Tensor = 1e-2,
+    weight_decay: ScalarOrSchedule = 1e-2,
     amsgrad: bool = False,
     *,
     maximize: bool = False,
@@ -119,7 +119,7 @@ def adamw(
         lr: learning rate: a float, a 0-d tensor or a schedule.
         betas: decays of the first and second moments.
         eps: added to the denominator.
-        weight_decay: decoupled weight decay :math:`\lambda` (default 1e-2, as torch.optim.AdamW).
+        weight_decay: decoupled weight decay :math:`\lambda` (default 1e-2, as torch.optim.AdamW); may be a schedule.
         amsgrad: torch.optim's AMSGrad.
         maximize: maximize the objective.
 
@@ -156,7 +156,7 @@ def sgd(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float = 0.0,
     dampening: float = 0.0,
-    weight_decay: float | torch.Tensor = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
     nesterov: bool = False,
     *,
     maximize: bool = False,
@@ -171,7 +171,7 @@ def sgd(
         lr: learning rate: a float, a 0-d tensor or a schedule.
         momentum: momentum factor :math:`\mu` (0 disables the buffer; no state is kept).
         dampening: dampening :math:`d` of the momentum.
-        weight_decay: L2 penalty added to the gradient.
+        weight_decay: L2 penalty added to the gradient; may be a schedule.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: maximize the objective.
 
@@ -186,7 +186,7 @@ def sgd(
     _check_lr(lr)
     if not momentum >= 0.0:
         raise ValueError(f"Invalid momentum value: {momentum}")
-    if not weight_decay >= 0.0:
+    if not callable(weight_decay) and not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
