@@ -29,6 +29,7 @@ from fadam._tree import (
 )
 from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
+from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
 from fadam.schedules import (
     constant_schedule,
@@ -61,6 +62,7 @@ __all__ = [
     "FusibleUpdate",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
+    "InjectHyperparamsState",
     "MaskedNode",
     "MaskedState",
     "PartitionState",
@@ -84,6 +86,7 @@ __all__ = [
     "exponential_decay",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "join_schedules",
     "linear_onecycle_schedule",
     "linear_schedule",
