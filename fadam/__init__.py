@@ -31,6 +31,18 @@ from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.combinators._wrappers import (
+    ApplyIfFiniteState,
+    MultiSteps,
+    MultiStepsState,
+    ZeroNansState,
+    apply_if_finite,
+    freeze,
+    selective_transform,
+    skip_large_updates,
+    skip_not_finite,
+    zero_nans,
+)
 from fadam.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -58,6 +70,7 @@ global_norm = tree_global_norm
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApplyIfFiniteState",
     "EmptyState",
     "FusibleUpdate",
     "GradientTransformation",
@@ -65,6 +78,8 @@ __all__ = [
     "InjectHyperparamsState",
     "MaskedNode",
     "MaskedState",
+    "MultiSteps",
+    "MultiStepsState",
     "PartitionState",
     "ScalarOrSchedule",
     "ScaleByAdamState",
@@ -72,10 +87,12 @@ __all__ = [
     "ScaleByScheduleState",
     "Schedule",
     "TraceState",
+    "ZeroNansState",
     "adam",
     "adamw",
     "add_decayed_weights",
     "add_decoupled_weight_decay",
+    "apply_if_finite",
     "apply_updates",
     "chain",
     "clip",
@@ -84,6 +101,7 @@ __all__ = [
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "exponential_decay",
+    "freeze",
     "global_norm",
     "identity",
     "inject_hyperparams",
@@ -101,9 +119,12 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_schedule",
     "schedules",
+    "selective_transform",
     "set_to_zero",
     "sgd",
     "sgdr_schedule",
+    "skip_large_updates",
+    "skip_not_finite",
     "state_from_dict",
     "state_to_dict",
     "stateless",
@@ -121,4 +142,5 @@ __all__ = [
     "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
     "warmup_exponential_decay_schedule",
+    "zero_nans",
 ]
