@@ -205,3 +205,35 @@ def test_static_args_keep_a_callable_and_extra_args_reach_the_inner_transform():
     assert list(state.hyperparams) == ["scale"]
     updates, _ = tx.update([torch.ones(1)], state, loss=3.0)
     assert updates[0].item() == -2.0 and seen == {"loss": 3.0}
+
+
+@pytest.mark.slow
+def test_compiled_step_does_not_recompile_as_the_scheduled_lr_changes():
+    # Under torch.compile the factory receives the hyperparameters as tensors, so new values do not recompile.
+    # weight_decay is static: its value decides whether adam's chain has a decay transform.
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    tx = fadam.inject_hyperparams(fadam.adam, static_args=("weight_decay",))(
+        lr=fadam.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
+    )
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def compiled_step(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        return fadam.apply_updates(params, updates), state
+
+    params = _params(torch.float32)
+    state, eager_params, eager_state = tx.init(params), params, tx.init(params)
+    for step in range(5):
+        grads = _grads(params, step)
+        params, state = compiled_step(params, grads, state)
+        updates, eager_state = tx.update(grads, eager_state, eager_params)
+        eager_params = fadam.apply_updates(eager_params, updates)
+        if step == 0:
+            frames = counter.frame_count
+        for key in params:
+            torch.testing.assert_close(params[key], eager_params[key], rtol=1e-6, atol=1e-7)
+    assert counter.frame_count == frames  # the lr changed every step (0, 0.05, 0.1, ...) and nothing recompiled
+    assert float(state.hyperparams["lr"]) == float(eager_state.hyperparams["lr"]) > 0

@@ -43,10 +43,10 @@ def _to_factory(value: torch.Tensor, python_number: bool) -> float | int | torch
     """
     if (
         python_number
+        and not torch.compiler.is_compiling()  # first: the checks below are opaque to dynamo
         and is_plain(value)
         and value.device.type == "cpu"
         and value.numel() == 1
-        and not torch.compiler.is_compiling()
     ):
         return value.item()
     return value
