@@ -225,3 +225,22 @@ def test_freeze_and_selective_transform():
     # a callable mask works too
     tx = fadam.selective_transform(fadam.sgd(0.1), freeze_mask=lambda p: {"encoder": True, "head": False})
     assert torch.equal(tx.update(grads, tx.init(params), params)[0]["encoder"]["w"], torch.zeros(4, 4))
+
+
+def test_fadam_step_keeps_the_inner_fused_kernel():
+    params = _params()
+    plain, guarded = fadam.adamw(lr=0.1), fadam.apply_if_finite(fadam.adamw(lr=0.1), 3)
+    p_plain, s_plain = params, plain.init(params)
+    p_guard, s_guard = params, guarded.init(params)
+    for step in range(4):
+        bad = NAN if step == 2 else None
+        p_guard, s_guard = fadam.step(guarded, p_guard, _grads(step, bad), s_guard)
+        if bad is None:
+            p_plain, s_plain = fadam.step(plain, p_plain, _grads(step), s_plain)
+        assert _leaves_equal(p_guard, p_plain) and _leaves_equal(s_guard.inner_state, s_plain)
+    assert int(s_guard.total_notfinite) == 1
+
+    opt = fadam.MultiSteps(fadam.adam(lr=0.1), 2).gradient_transformation()
+    state = opt.init(params)
+    p, mid_state = fadam.step(opt, params, _grads(0), state)
+    assert p is params and int(mid_state.mini_step) == 1  # a mini-step returns the params as they are

@@ -66,25 +66,26 @@ def test_inject_hyperparams_is_bit_identical(row: Row, fused: bool):
 
 
 @pytest.mark.parametrize("row", ALL_ROWS, ids=str)
-def test_composes_with_multisteps(row: Row):
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "step"])
+def test_composes_with_multisteps(row: Row, fused: bool):
     params = _params(row)
     # k = 1: the accumulator holds the gradient exactly, so the wrapped run is the plain run, bit for bit
     plain = row.build()
-    one = fadam.MultiSteps(row.build(), every_k_schedule=1)
-    want_params, want_state = _run(plain, params, plain.init(params), range(4))
-    got_params, got_state = _run(one, params, one.init(params), range(4))
+    one = fadam.MultiSteps(row.build(), every_k_schedule=1).gradient_transformation()
+    want_params, want_state = _run(plain, params, plain.init(params), range(4), fused=fused)
+    got_params, got_state = _run(one, params, one.init(params), range(4), fused=fused)
     _assert_trees_equal(got_params, want_params, "params (k=1)")
     _assert_trees_equal(got_state.inner_opt_state, want_state, "inner state (k=1)")
 
     # k = 2: every second mini-step is the plain optimizer stepping on the running mean of the pair
     two = fadam.MultiSteps(row.build(), every_k_schedule=2).gradient_transformation()
-    got_params, got_state = _run(two, params, two.init(params), range(6))
+    got_params, got_state = _run(two, params, two.init(params), range(6), fused=fused)
 
     def mean_of_pair(p, step):
         g1, g2 = _grads(p, 2 * step), _grads(p, 2 * step + 1)
         return {k: g1[k] + (g2[k] - g1[k]) / torch.tensor(2.0, dtype=torch.float64) for k in g1}
 
-    want_params, want_state = _run(plain, params, plain.init(params), range(3), grads_fn=mean_of_pair)
+    want_params, want_state = _run(plain, params, plain.init(params), range(3), grads_fn=mean_of_pair, fused=fused)
     _assert_trees_equal(got_params, want_params, "params (k=2)")
     _assert_trees_equal(got_state.inner_opt_state, want_state, "inner state (k=2)")
 
