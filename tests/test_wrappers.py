@@ -244,3 +244,13 @@ def test_fadam_step_keeps_the_inner_fused_kernel():
     state = opt.init(params)
     p, mid_state = fadam.step(opt, params, _grads(0), state)
     assert p is params and int(mid_state.mini_step) == 1  # a mini-step returns the params as they are
+
+
+def test_skip_large_updates_norm_is_accurate_for_bfloat16():
+    updates = {"w": torch.full((10_000,), 3.0, dtype=torch.bfloat16), "b": torch.tensor([1.0 + 2.0j])}
+    skip, info = fadam.skip_large_updates(updates, torch.tensor(0), None, max_squared_norm=90_006.0)
+    assert info["norm_squared"].dtype == torch.float32
+    torch.testing.assert_close(info["norm_squared"], torch.tensor(90_005.0), rtol=1e-6, atol=0)
+    assert not bool(skip)
+    skip, _ = fadam.skip_large_updates(updates, torch.tensor(0), None, max_squared_norm=90_005.0)
+    assert bool(skip)  # not strictly below the bound

@@ -206,7 +206,12 @@ def skip_large_updates(
         norm_squared = torch.zeros(())
     else:
         device = leaves[0].device
-        norm_squared = torch.stack([(u.abs() ** 2).sum().to(device, torch.float32) for u in leaves]).sum()
+        # per-leaf norms in float32 at least (a bfloat16 sum of squares overflows and rounds coarsely)
+        wide = [
+            u if u.dtype in (torch.float64, torch.complex128) else u.to(torch.promote_types(u.dtype, torch.float32))
+            for u in leaves
+        ]
+        norm_squared = torch.stack([(torch.linalg.vector_norm(u) ** 2).to(device, torch.float32) for u in wide]).sum()
     should_skip = ~(norm_squared < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_squared}
 
@@ -228,7 +233,9 @@ class MultiSteps:
     Mini-steps return zero updates; the ``k``-th returns ``inner.update(a_k)`` and resets the accumulator. ``k`` may
     change over training through ``every_k_schedule(gradient_step)``. The only param-sized buffer is the accumulator
     (``accumulator_dtype``, default the param's dtype); it is cast to the gradient's dtype before the inner step.
-    A mini-step that ``should_skip_update_fn`` rejects leaves the whole state as it was (optax's semantics).
+    A mini-step that ``should_skip_update_fn`` rejects leaves the whole state as it was (optax's semantics). A leaf
+    whose gradient is ``None`` on a mini-step keeps its accumulator as it is; the inner step receives the accumulated
+    value.
 
     Use ``.init``/``.update`` directly or ``.gradient_transformation()``; ``has_updated(state)`` tells whether the
     last update was an inner step.
@@ -445,7 +452,8 @@ def freeze(mask: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
     Example:
         >>> import torch, fadam
         >>> tx = fadam.freeze({"w": True, "b": False})
-        >>> updates, _ = tx.update({"w": torch.ones(2), "b": torch.ones(1)}, tx.init({"w": 0, "b": 0}))
+        >>> params = {"w": torch.zeros(2), "b": torch.zeros(1)}
+        >>> updates, _ = tx.update({"w": torch.ones(2), "b": torch.ones(1)}, tx.init(params))
         >>> updates["w"], updates["b"]
         (tensor([0., 0.]), tensor([1.]))
 
