@@ -83,6 +83,12 @@ def test_hyperparams_are_float64_tensors_and_flags_stay_static():
     assert isinstance(state.inner_state[0], fadam.ScaleByAmsgradState)
     state32 = fadam.inject_hyperparams(fadam.adam, hyperparam_dtype=torch.float32)(lr=1e-3).init({"w": torch.zeros(2)})
     assert state32.hyperparams["lr"].dtype == torch.float32
+    # a schedule's value is cast too, and the factory uses the cast value
+    tx = fadam.inject_hyperparams(fadam.sgd, hyperparam_dtype=torch.float32)(lr=fadam.constant_schedule(0.1))
+    params, grads = {"w": torch.ones(3, dtype=torch.float64)}, {"w": torch.full((3,), 3.0, dtype=torch.float64)}
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert state.hyperparams["lr"].dtype == torch.float32
+    assert torch.equal(updates["w"], grads["w"] * -torch.tensor(0.1, dtype=torch.float32).double())
 
 
 @pytest.mark.parametrize("make", [fadam.adam, fadam.adamw, fadam.sgd])

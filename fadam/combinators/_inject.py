@@ -73,9 +73,11 @@ def inject_hyperparams(
     static, passed through unchanged, as is every argument named in ``static_args``. Callables are schedules unless
     named in ``static_args``. Python floats are stored in float64 (``hyperparam_dtype`` if given), ints in int64,
     tensors as given. On an ordinary eager step the factory receives values given as Python numbers back as Python
-    numbers, so the wrapped optimizer is bit-identical to the plain one; under autograd, ``torch.func`` or
-    ``torch.compile`` it receives the tensors (see ``_to_factory``). ``fadam.step`` still runs the inner alias's fused
-    kernel when it has one.
+    numbers (read from their CPU tensors, no device sync), so the wrapped optimizer is bit-identical to the plain one;
+    under autograd, ``torch.func`` or ``torch.compile`` it receives the tensors. ``fadam.step`` still runs the inner
+    alias's fused kernel when it has one. A hyperparameter whose value decides the structure of the factory's chain
+    (``adam``'s ``weight_decay`` of 0 adds no decay transform) keeps that structure from ``init``: change it only
+    between values of the same kind, or name it in ``static_args`` under ``torch.compile``.
 
     Args:
         inner_factory: a function returning a ``GradientTransformation``, such as ``fadam.adam``.
@@ -141,13 +143,14 @@ def inject_hyperparams(
                 others[name] = value
 
         def scheduled(count: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-            """Schedule values at ``count``: as the schedules return them (for the factory), and as stored tensors."""
+            """Schedule values at ``count``: for the factory (as the schedule returns them, or cast to
+            ``hyperparam_dtype``), and as stored tensors."""
             raw = {name: fn(count) for name, fn in schedules.items()}
             stored = {}
             for name, value in raw.items():
                 tensor = torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
                 if hyperparam_dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(hyperparam_dtype)
+                    tensor = raw[name] = tensor.to(hyperparam_dtype)
                 stored[name] = tensor
             return raw, stored
 
