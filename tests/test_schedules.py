@@ -136,3 +136,13 @@ def test_weight_decay_schedules_in_transforms_and_aliases():
         # fadam.step cannot use the fused kernel with a scheduled decay; it falls back to the same update.
         stepped, _ = fadam.step(scheduled, params, grads, scheduled.init(params))
         assert torch.equal(stepped["w"], fadam.apply_updates(params, first)["w"])
+
+
+def test_scheduled_updates_keep_the_dtype_of_zero_dim_params():
+    # a schedule's value is a 0-d float64 tensor; a 0-d float32 update must not be promoted by it
+    params = {"scalar": torch.tensor(2.0), "w": torch.ones(3, dtype=torch.bfloat16)}
+    grads = {"scalar": torch.tensor(0.5), "w": torch.ones(3, dtype=torch.bfloat16)}
+    wd = fadam.constant_schedule(0.1)
+    for tx in (fadam.adam(lr=fadam.constant_schedule(0.1), weight_decay=wd), fadam.adamw(lr=wd, weight_decay=wd)):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        assert {k: u.dtype for k, u in updates.items()} == {"scalar": torch.float32, "w": torch.bfloat16}

@@ -52,7 +52,7 @@ def add_decayed_weights(
         decayed = [
             None
             if g is None
-            else g + decay * p.to(g.dtype)
+            else (g + decay * p.to(g.dtype)).to(g.dtype)  # a 0-d float64 decay would promote a 0-d leaf
             if isinstance(decay, torch.Tensor)
             else torch.add(g, p.to(g.dtype), alpha=decay)  # torch.optim's grad.add(param, alpha=weight_decay)
             for g, p in zip(grads, param_leaves)
