@@ -254,3 +254,37 @@ def test_skip_large_updates_norm_is_accurate_for_bfloat16():
     assert not bool(skip)
     skip, _ = fadam.skip_large_updates(updates, torch.tensor(0), None, max_squared_norm=90_005.0)
     assert bool(skip)  # not strictly below the bound
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["multisteps", "apply_if_finite"])
+def test_compiled_wrappers_select_without_host_reads(which):
+    # Under torch.compile the skip/emit decisions are traced as torch.where selections; the compiled run equals the
+    # eager one (which branches in Python), NaN step included, and stops compiling after the first steps.
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    if which == "multisteps":
+        tx = fadam.MultiSteps(
+            fadam.adam(lr=0.1), 2, should_skip_update_fn=fadam.skip_not_finite
+        ).gradient_transformation()
+    else:
+        tx = fadam.apply_if_finite(fadam.adam(lr=0.1), 2)
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def compiled_step(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        return fadam.apply_updates(params, updates), state
+
+    params = _params()
+    state, eager_params, eager_state = tx.init(params), params, tx.init(params)
+    for step in range(6):
+        grads = _grads(step, NAN if step == 3 else None)
+        params, state = compiled_step(params, grads, state)
+        updates, eager_state = tx.update(grads, eager_state, eager_params)
+        eager_params = fadam.apply_updates(eager_params, updates)
+        assert _leaves_equal(params, eager_params) and _leaves_equal(state, eager_state), step
+        if step == 1:
+            frames = counter.frame_count
+    assert counter.frame_count == frames

@@ -40,7 +40,9 @@ ShouldSkipUpdateFn = Callable[[PyTree, torch.Tensor, PyTree], tuple[torch.Tensor
 
 def _host_bool(flag: torch.Tensor) -> bool | None:
     """The flag's value when reading it is free (a plain CPU tensor, eager), else ``None``."""
-    if flag.device.type == "cpu" and is_plain(flag) and not torch.compiler.is_compiling():
+    if (
+        not torch.compiler.is_compiling() and flag.device.type == "cpu" and is_plain(flag)
+    ):  # dynamo cannot trace is_plain
         return bool(flag)
     return None
 
