@@ -69,7 +69,7 @@ def fused_adam_step(
     b1: float,
     b2: float,
     eps: float,
-    weight_decay: float | torch.Tensor,
+    weight_decay: ScalarOrSchedule,
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
@@ -77,7 +77,8 @@ def fused_adam_step(
     kernel_fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-        if _any_tensor(weight_decay, b1, b2, eps):  # the kernel takes numbers: a tensor may carry a graph
+        # the kernel takes numbers: a tensor may carry a graph, a schedule is not a number
+        if _any_tensor(weight_decay, b1, b2, eps) or callable(weight_decay):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         adam_state = state[adam_index]
@@ -134,12 +135,12 @@ def fused_sgd_step(
     lr: ScalarOrSchedule,
     momentum: float,
     dampening: float,
-    weight_decay: float | torch.Tensor,
+    weight_decay: ScalarOrSchedule,
     nesterov: bool,
     maximize: bool,
 ) -> FusedStep:
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-        if _any_tensor(weight_decay, momentum, dampening):
+        if _any_tensor(weight_decay, momentum, dampening) or callable(weight_decay):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         bufs = (

@@ -32,7 +32,10 @@ def _check_lr(lr: ScalarOrSchedule) -> None:
 
 
 def _check_adam_args(
-    lr: ScalarOrSchedule, betas: tuple[float | torch.Tensor, float | torch.Tensor], eps: float, weight_decay: float
+    lr: ScalarOrSchedule,
+    betas: tuple[float | torch.Tensor, float | torch.Tensor],
+    eps: float,
+    weight_decay: ScalarOrSchedule,
 ) -> None:
     _check_lr(lr)
     if not _value(eps) >= 0.0:
@@ -40,19 +43,19 @@ def _check_adam_args(
     for index, beta in enumerate(betas):
         if not 0.0 <= _value(beta) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    if not _value(weight_decay) >= 0.0:
+    if not callable(weight_decay) and not _value(weight_decay) >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def _has_decay(weight_decay: float | torch.Tensor) -> bool:
-    return isinstance(weight_decay, torch.Tensor) or weight_decay != 0
+def _has_decay(weight_decay: ScalarOrSchedule) -> bool:
+    return isinstance(weight_decay, torch.Tensor) or callable(weight_decay) or weight_decay != 0
 
 
 def adam(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float | torch.Tensor = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
     amsgrad: bool = False,
     *,
     maximize: bool = False,
@@ -70,7 +73,7 @@ def adam(
         lr: learning rate: a float, a 0-d tensor or a schedule.
         betas: decays of the first and second moments.
         eps: added to the denominator.
-        weight_decay: L2 penalty added to the gradient (torch.optim.Adam's ``weight_decay``).
+        weight_decay: L2 penalty added to the gradient (torch.optim.Adam's ``weight_decay``); may be a schedule.
         amsgrad: torch.optim's AMSGrad (running maximum of the raw second moment).
         maximize: maximize the objective (the gradient is negated before weight decay, as in torch.optim).
         moment_requires_grad: create the moments requiring grad (meta-gradients into the initial state).
@@ -111,7 +114,7 @@ def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float | torch.Tensor = 1e-2,
+    weight_decay: ScalarOrSchedule = 1e-2,
     amsgrad: bool = False,
     *,
     maximize: bool = False,
@@ -131,7 +134,7 @@ def adamw(
         lr: learning rate: a float, a 0-d tensor or a schedule.
         betas: decays of the first and second moments.
         eps: added to the denominator.
-        weight_decay: decoupled weight decay :math:`\lambda` (default 1e-2, as torch.optim.AdamW).
+        weight_decay: decoupled weight decay :math:`\lambda` (default 1e-2, as torch.optim.AdamW); may be a schedule.
         amsgrad: torch.optim's AMSGrad.
         maximize: maximize the objective.
         moment_requires_grad: create the moments requiring grad (meta-gradients into the initial state).
@@ -170,7 +173,7 @@ def sgd(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float | torch.Tensor = 0.0,
     dampening: float | torch.Tensor = 0.0,
-    weight_decay: float | torch.Tensor = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
     nesterov: bool = False,
     *,
     maximize: bool = False,
@@ -186,7 +189,7 @@ def sgd(
         lr: learning rate: a float, a 0-d tensor or a schedule.
         momentum: momentum factor :math:`\mu` (0 disables the buffer; no state is kept).
         dampening: dampening :math:`d` of the momentum.
-        weight_decay: L2 penalty added to the gradient.
+        weight_decay: L2 penalty added to the gradient; may be a schedule.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: maximize the objective.
         moment_requires_grad: create the momentum buffer requiring grad (meta-gradients into the initial state).
@@ -202,7 +205,7 @@ def sgd(
     _check_lr(lr)
     if not _value(momentum) >= 0.0:
         raise ValueError(f"Invalid momentum value: {momentum}")
-    if not _value(weight_decay) >= 0.0:
+    if not callable(weight_decay) and not _value(weight_decay) >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if nesterov and not (known_value(momentum, 1.0) > 0 and known_value(dampening, 0.0) == 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")

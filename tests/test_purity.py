@@ -27,6 +27,21 @@ def _half_lr(count: torch.Tensor) -> torch.Tensor:
 # name -> builders of a transform. Give each factory its interesting configurations; ``complex`` says whether the
 # transform accepts complex params (clip does not: clamp has no order on complex numbers).
 FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
+    "apply_if_finite": [
+        lambda: fadam.apply_if_finite(fadam.adam(1e-2, amsgrad=True), 2),
+        lambda: fadam.apply_if_finite(fadam.sgd(_half_lr, momentum=0.9), 0),
+    ],
+    "freeze": [lambda: fadam.freeze({"layer": {"w": True, "b": False}, "extra": False, "z": True})],
+    "inject_hyperparams": [
+        lambda: fadam.inject_hyperparams(fadam.adamw)(lr=_half_lr, weight_decay=0.1),
+        lambda: fadam.inject_hyperparams(fadam.sgd)(
+            lr=0.1, momentum=0.9, weight_decay=fadam.linear_schedule(0.1, 0, 3)
+        ),
+    ],
+    "selective_transform": [
+        lambda: fadam.selective_transform(fadam.adam(1e-2), freeze_mask={"layer": True, "extra": False, "z": False})
+    ],
+    "zero_nans": [fadam.zero_nans],
     "adam": [
         lambda: fadam.adam(1e-2),
         lambda: fadam.adam(1e-2, weight_decay=0.1, amsgrad=True, maximize=True),

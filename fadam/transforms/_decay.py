@@ -16,14 +16,15 @@ from fadam.transforms._validation import check_non_negative
 
 
 def add_decayed_weights(
-    weight_decay: float | torch.Tensor = 0.0, mask: PyTree | Callable[[PyTree], PyTree] | None = None
+    weight_decay: ScalarOrSchedule = 0.0, mask: PyTree | Callable[[PyTree], PyTree] | None = None
 ) -> GradientTransformation:
-    r"""Adds the params scaled by the weight decay: :math:`u = g + \lambda\, p`.
+    r"""Adds the params scaled by the weight decay: :math:`u = g + \lambda_t\, p`.
 
     Placed before ``scale_by_adam`` this is torch.optim.Adam's L2 penalty; placed after it, AdamW's decoupled decay.
 
     Args:
-        weight_decay: the factor :math:`\lambda` (a float or a 0-d tensor).
+        weight_decay: the factor :math:`\lambda` (a float, a 0-d tensor, or a schedule of the step count, which then
+            lives in the state as ``ScaleByScheduleState(count)``).
         mask: a bool tree (or a prefix of one, or a callable ``params -> tree``) selecting the leaves to decay.
 
     Example:
@@ -32,51 +33,9 @@ def add_decayed_weights(
         >>> tx.update([torch.zeros(1)], tx.init(None), [torch.full((1,), 2.0)])[0]
         [tensor([0.2000])]
     """
-    check_non_negative("weight_decay", weight_decay)
-
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-        grads, param_leaves, spec = check_leaves(updates, params)
-        decayed = [
-            None
-            if g is None
-            else torch.add(g, p.to(g.dtype), alpha=weight_decay)
-            if not isinstance(weight_decay, torch.Tensor)
-            else g + weight_decay * p.to(g.dtype)
-            for g, p in zip(grads, param_leaves)
-        ]
-        return spec.unflatten(decayed), state
-
-    tx = GradientTransformation(lambda params: EmptyState(), update)
-    return tx if mask is None else masked(tx, mask)
-
-
-def add_decoupled_weight_decay(
-    learning_rate: ScalarOrSchedule, weight_decay: float | torch.Tensor
-) -> GradientTransformation:
-    r"""Decoupled weight decay as ``torch.optim.AdamW`` applies it, for use after ``scale_by_learning_rate``.
-
-    .. math::
-        u = g - \left(p - p \cdot \mathrm{rnd}(1 - \eta_t \lambda)\right)
-
-    so that ``p + u`` equals torch's ``p.mul_(1 - lr * weight_decay)`` followed by the step. The factor is rounded to
-    the param's dtype exactly as torch's in-place multiply rounds it; that rounding is systematic (the same every
-    step), which is why this matches torch.optim.AdamW to float32 precision over hundreds of steps where the
-    algebraically equal ``-lr * (g + weight_decay * p)`` drifts by up to 1e-5.
-
-    Args:
-        learning_rate: the learning rate :math:`\eta_t` (float, 0-d tensor or schedule of the step count).
-        weight_decay: the decay :math:`\lambda`.
-
-    Example:
-        >>> import torch, fadam
-        >>> tx = fadam.add_decoupled_weight_decay(0.1, 0.5)
-        >>> tx.update([torch.zeros(1)], tx.init([torch.ones(1)]), [torch.full((1,), 2.0)])[0]
-        [tensor([-0.1000])]
-    """
-    check_non_negative("weight_decay", weight_decay)
-    schedule = learning_rate if callable(learning_rate) else None
+    schedule = weight_decay if callable(weight_decay) else None
+    if schedule is None:
+        check_non_negative("weight_decay", weight_decay)
 
     def init(params: PyTree) -> ScaleByScheduleState | EmptyState:
         return ScaleByScheduleState(zero_count()) if schedule else EmptyState()
@@ -85,13 +44,69 @@ def add_decoupled_weight_decay(
         updates: PyTree, state: ScaleByScheduleState | EmptyState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByScheduleState | EmptyState]:
         if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        grads, param_leaves, spec = check_leaves(updates, params)
+        decay = weight_decay
+        if schedule:
+            decay, state = schedule(state.count), ScaleByScheduleState(safe_increment(state.count))
+        decayed = [
+            None
+            if g is None
+            else (g + decay * p.to(g.dtype)).to(g.dtype)  # a 0-d float64 decay would promote a 0-d leaf
+            if isinstance(decay, torch.Tensor)
+            else torch.add(g, p.to(g.dtype), alpha=decay)  # torch.optim's grad.add(param, alpha=weight_decay)
+            for g, p in zip(grads, param_leaves)
+        ]
+        return spec.unflatten(decayed), state
+
+    tx = GradientTransformation(init, update)
+    return tx if mask is None else masked(tx, mask)
+
+
+def add_decoupled_weight_decay(
+    learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule
+) -> GradientTransformation:
+    r"""Decoupled weight decay as ``torch.optim.AdamW`` applies it, for use after ``scale_by_learning_rate``.
+
+    .. math::
+        u = g - \left(p - p \cdot \mathrm{rnd}(1 - \eta_t \lambda_t)\right)
+
+    so that ``p + u`` equals torch's ``p.mul_(1 - lr * weight_decay)`` followed by the step. The factor is rounded
+    to the param's dtype exactly as torch's in-place multiply rounds it; that rounding is systematic (the same every
+    step), which is why this matches torch.optim.AdamW to float32 precision over hundreds of steps where the
+    algebraically equal ``-lr * (g + weight_decay * p)`` drifts by up to 1e-5.
+
+    Args:
+        learning_rate: the learning rate :math:`\eta_t` (float, 0-d tensor or schedule of the step count).
+        weight_decay: the decay :math:`\lambda_t` (float, 0-d tensor or schedule of the step count). With a schedule
+            in either argument the state is ``ScaleByScheduleState(count)``, shared by both.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.add_decoupled_weight_decay(0.1, 0.5)
+        >>> tx.update([torch.zeros(1)], tx.init([torch.ones(1)]), [torch.full((1,), 2.0)])[0]
+        [tensor([-0.1000])]
+    """
+    lr_schedule = learning_rate if callable(learning_rate) else None
+    wd_schedule = weight_decay if callable(weight_decay) else None
+    if wd_schedule is None:
+        check_non_negative("weight_decay", weight_decay)
+    counted = lr_schedule is not None or wd_schedule is not None
+
+    def init(params: PyTree) -> ScaleByScheduleState | EmptyState:
+        return ScaleByScheduleState(zero_count()) if counted else EmptyState()
+
+    def update(
+        updates: PyTree, state: ScaleByScheduleState | EmptyState, params: PyTree | None = None, **_: Any
+    ) -> tuple[PyTree, ScaleByScheduleState | EmptyState]:
+        if params is None:
             raise ValueError("add_decoupled_weight_decay needs params: call update(updates, state, params)")
         grads, param_leaves, spec = check_leaves(updates, params)
-        if schedule:
-            lr, state = schedule(state.count), ScaleByScheduleState(safe_increment(state.count))
-        else:
-            lr = learning_rate
-        factor = 1 - lr * weight_decay
+        lr = lr_schedule(state.count) if lr_schedule else learning_rate
+        decay = wd_schedule(state.count) if wd_schedule else weight_decay
+        if counted:
+            state = ScaleByScheduleState(safe_increment(state.count))
+        factor = 1 - lr * decay
         new = []
         for g, p in zip(grads, param_leaves):
             if g is None:

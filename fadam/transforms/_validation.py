@@ -8,7 +8,8 @@ from torch._C import _functorch
 
 def _value(x: float | torch.Tensor) -> float:
     if isinstance(x, torch.Tensor):
-        if _functorch.is_functorch_wrapped_tensor(x):  # inside vmap/grad the value cannot be read; checked outside
+        # inside vmap/grad or while compiling the value cannot be read without a graph break; it is checked outside
+        if torch.compiler.is_compiling() or _functorch.is_functorch_wrapped_tensor(x):
             return 0.0
         return float(x.detach())
     return float(x)
