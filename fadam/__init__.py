@@ -26,6 +26,7 @@ from fadam._tree import (
     tree_zeros_like,
 )
 from fadam.aliases import adafactor, adagrad, adam, adamax, adamw, lamb, lion, nadam, nadamw, radam, rmsprop, sgd
+from fadam.bridge import Optimizer, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
@@ -65,6 +66,7 @@ __all__ = [
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "MaskedNode",
+    "Optimizer",
     "MaskedState",
     "PartitionState",
     "ScalarOrSchedule",
@@ -120,6 +122,8 @@ __all__ = [
     "scale_by_trust_ratio",
     "set_to_zero",
     "sgd",
+    "state_from_torch",
+    "state_to_torch",
     "stateless",
     "stateless_with_tree_map",
     "step",
