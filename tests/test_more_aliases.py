@@ -329,3 +329,27 @@ def test_radam_switches_to_the_rectified_step_after_rho_exceeds_5():
         else:
             rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
             assert torch.allclose(u[0], torch.full((1,), rect / (1 + 1e-8), dtype=torch.float64), rtol=1e-6)
+
+
+def test_every_new_alias_runs_under_vmap_like_a_loop():
+    import tests.conformance.table  # noqa: F401  (the table collects the rows files)
+    from tests.conformance.rows_aliases import ROWS
+
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, 3, generator=gen), "b": torch.randn(3, 3, generator=gen)}
+    grads = {"w": torch.randn(3, 4, 3, generator=gen), "b": torch.randn(3, 3, generator=gen)}
+    for row in ROWS:
+        tx = row.build()
+
+        def run(p, g, tx=tx):
+            state = tx.init(p)
+            for _ in range(3):
+                u, state = tx.update(g, state, p)
+                p = fadam.apply_updates(p, u)
+            return p
+
+        batched = torch.func.vmap(run)(params, grads)
+        for i in range(3):
+            single = run({k: v[i] for k, v in params.items()}, {k: v[i] for k, v in grads.items()})
+            for k in params:
+                torch.testing.assert_close(batched[k][i], single[k], rtol=1e-6, atol=1e-7, msg=row.name)
