@@ -353,3 +353,23 @@ def test_every_new_alias_runs_under_vmap_like_a_loop():
             single = run({k: v[i] for k, v in params.items()}, {k: v[i] for k, v in grads.items()})
             for k in params:
                 torch.testing.assert_close(batched[k][i], single[k], rtol=1e-6, atol=1e-7, msg=row.name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_and_update_dtypes_are_stable_including_0d_params(dtype):
+    import optree
+
+    import tests.conformance.table  # noqa: F401
+    from tests.conformance.rows_aliases import ROWS
+
+    params = {"s": torch.tensor(1.5, dtype=dtype), "w": torch.randn(3, 2).to(dtype)}
+    for row in ROWS:
+        tx = row.build()
+        state = first = tx.init(params)
+        p = params
+        for _ in range(3):
+            u, state = tx.update({k: torch.ones_like(v) for k, v in p.items()}, state, p)
+            p = fadam.apply_updates(p, u)
+        layout = [(x.dtype, x.shape) for x in optree.tree_leaves(first, none_is_leaf=True)]
+        assert layout == [(x.dtype, x.shape) for x in optree.tree_leaves(state, none_is_leaf=True)], row.name
+        assert all(v.dtype == dtype for v in (*u.values(), *p.values())), row.name

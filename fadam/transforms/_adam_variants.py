@@ -168,7 +168,8 @@ def scale_by_radam(
             nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
             mu_hat = mu_new / bc1
             adaptive = bc2_sqrt / (nu_new.sqrt() + eps)
-            return torch.where(rectify, mu_hat * adaptive * rect, mu_hat), mu_new, nu_new
+            condition = rectify if rectify.device == mu_hat.device else rectify.to(mu_hat.device, non_blocking=True)
+            return torch.where(condition, mu_hat * adaptive * rect, mu_hat), mu_new, nu_new
 
         new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
         return spec.unflatten(new_updates), ScaleByRadamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))

@@ -105,7 +105,7 @@ def scale_by_factored_rms(
         grads, _, spec = check_leaves(updates, params)
         v_rows, v_cols, vs = (spec.flatten_up_to(x) for x in (state.v_row, state.v_col, state.v))
         t = (state.count - step_offset).to(torch.float64) + 1.0
-        beta = 1.0 - torch.pow(t, -decay_rate)
+        beta = 1.0 - torch.pow(t, -decay_rate)  # a 0-d CPU tensor: mixes with leaves on any device
         new_updates, new_rows, new_cols, new_vs = [], [], [], []
         for g, v_row, v_col, v in zip(grads, v_rows, v_cols, vs):
             if g is None:
@@ -117,12 +117,14 @@ def scale_by_factored_rms(
             grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype) + epsilon
             dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
             if dims is None:
-                v = torch.lerp(grad_sqr, v, beta.to(v.dtype))
+                decay = beta.to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
+                v = decay * v + (1 - decay) * grad_sqr
                 u = g * torch.rsqrt(v).to(g.real.dtype if g.is_complex() else g.dtype)
             else:
                 second, largest = dims
-                v_row = torch.lerp(grad_sqr.mean(dim=largest), v_row, beta.to(v_row.dtype))
-                v_col = torch.lerp(grad_sqr.mean(dim=second), v_col, beta.to(v_col.dtype))
+                decay = beta.to(v_row.dtype)
+                v_row = decay * v_row + (1 - decay) * grad_sqr.mean(dim=largest)
+                v_col = decay * v_col + (1 - decay) * grad_sqr.mean(dim=second)
                 row_dim = second - 1 if second > largest else second  # ``second`` in v_row, whose ``largest`` is gone
                 row_factor = torch.rsqrt(v_row / v_row.mean(dim=row_dim, keepdim=True))
                 col_factor = torch.rsqrt(v_col)
