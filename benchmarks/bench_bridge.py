@@ -58,9 +58,9 @@ CASES = {
         lambda ps: fadam.Optimizer(ps, fadam.rmsprop, lr=1e-3),
         lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
     ),
-    "adagrad (general path)": (
+    "adagrad (fused kernel)": (
         lambda ps: fadam.Optimizer(ps, fadam.adagrad, lr=1e-3),
-        lambda ps: torch.optim.Adagrad(ps, lr=1e-3),
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-3, fused=True),
     ),
 }
 

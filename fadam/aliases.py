@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
-from fadam._fused import fused_adam_step, fused_sgd_step
+from fadam._fused import fused_adagrad_step, fused_adam_step, fused_sgd_step
 from fadam.combinators._chain import chain
 from fadam.transforms._adam import scale_by_adam
 from fadam.transforms._adam_variants import scale_by_adamax, scale_by_nadam, scale_by_radam
@@ -425,7 +425,7 @@ def adagrad(
     *,
     maximize: bool = False,
 ) -> GradientTransformation:
-    r"""Adagrad exactly as ``torch.optim.Adagrad`` (dense gradients).
+    r"""Adagrad exactly as ``torch.optim.Adagrad`` (dense gradients); ``fadam.step`` runs torch's fused kernel.
 
     .. math::
         s_t = s_{t-1} + g_t^2,\qquad p_t = p_{t-1} - \frac{\eta}{1 + (t-1)\delta}\,\frac{g_t}{\sqrt{s_t} + \epsilon}
@@ -457,11 +457,16 @@ def adagrad(
         raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
     if not eps >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
-    return chain(
-        *_head(maximize, weight_decay),
+    head = _head(maximize, weight_decay)
+    tx = chain(
+        *head,
         scale_by_rss(initial_accumulator_value, eps, eps_in_sqrt=False),
         scale_by_learning_rate(_decayed_lr(lr, lr_decay)),
     )
+    fused = fused_adagrad_step(
+        rss_index=len(head), lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize
+    )
+    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
 
 
 def adamax(

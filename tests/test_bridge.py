@@ -369,3 +369,18 @@ def test_state_from_torch_refuses_different_per_param_steps():
     _train(model, opt, 2, start=1)
     with pytest.raises(ValueError, match=r"per-param steps differ .*\[3\]: 2"):
         fadam.state_from_torch(opt, fadam.adam(lr=1e-2), list(model.parameters()))
+
+
+def test_complex_params_follow_torch():
+    torch.manual_seed(0)
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    target = torch.randn(4, 3, dtype=torch.complex64)
+    a, b = torch.nn.Parameter(z.clone()), torch.nn.Parameter(z.clone())
+    opt_a = fadam.Optimizer([a], functools.partial(fadam.nadam, weight_decay=0.01), lr=1e-2)
+    opt_b = torch.optim.NAdam([b], lr=1e-2, weight_decay=0.01)
+    for opt, p in ((opt_a, a), (opt_b, b)):
+        for _ in range(STEPS):
+            opt.zero_grad()
+            (p - target).abs().pow(2).sum().backward()
+            opt.step()
+    assert float((a - b).detach().abs().max() / b.detach().abs().max()) < 1e-6

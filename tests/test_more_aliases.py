@@ -373,3 +373,47 @@ def test_state_and_update_dtypes_are_stable_including_0d_params(dtype):
         layout = [(x.dtype, x.shape) for x in optree.tree_leaves(first, none_is_leaf=True)]
         assert layout == [(x.dtype, x.shape) for x in optree.tree_leaves(state, none_is_leaf=True)], row.name
         assert all(v.dtype == dtype for v in (*u.values(), *p.values())), row.name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"lr": 0.1},
+        {"lr": 0.1, "lr_decay": 1e-2, "weight_decay": 0.1, "initial_accumulator_value": 0.3, "maximize": True},
+    ],
+    ids=["plain", "all-flags"],
+)
+def test_adagrad_fused_step_is_torchs_fused_kernel_bit_for_bit(kwargs):
+    params, grads = _problem(torch.float32, False)
+    ref = [torch.nn.Parameter(v.clone()) for v in params.values()]
+    opt = torch.optim.Adagrad(ref, fused=True, **kwargs)
+    tx = fadam.adagrad(**kwargs)
+    state = tx.init(params)
+    for step in range(50):
+        g = grads(step, params)
+        for p, gv in zip(ref, g.values()):
+            p.grad = gv.clone()
+        opt.step()
+        frozen = {k: v.clone() for k, v in params.items()}
+        new_params, state = fadam.step(tx, params, g, state)
+        assert all(torch.equal(params[k], frozen[k]) for k in params)  # donate=False: inputs untouched
+        params = new_params
+    for p, ours in zip(ref, params.values()):
+        assert torch.equal(ours, p.detach())
+    if kwargs.get("lr_decay"):
+        assert int(state[-1].count) == 50  # the lr schedule's count advanced with the fused step
+
+
+def test_adagrad_step_on_complex_params_takes_the_general_path():
+    params, grads = _problem(torch.float64, True)
+    tx = fadam.adagrad(lr=0.1)
+    ref = torch.optim.Adagrad([torch.nn.Parameter(v.clone()) for v in params.values()], lr=0.1)
+    state = tx.init(params)
+    for step in range(20):
+        g = grads(step, params)
+        for p, gv in zip(ref.param_groups[0]["params"], g.values()):
+            p.grad = gv.clone()
+        ref.step()
+        params, state = fadam.step(tx, params, g, state, donate=True)
+    for p, ours in zip(ref.param_groups[0]["params"], params.values()):
+        assert _max_rel(ours, p.detach()) < 1e-12
