@@ -320,8 +320,13 @@ def _functional_loss(params, model, x, y):
         (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), fadam.adamw(lr=1e-2, weight_decay=0.1)),
         (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), fadam.sgd(lr=1e-2, momentum=0.9)),
         (lambda ps: torch.optim.NAdam(ps, lr=1e-2), fadam.nadam(lr=1e-2)),
+        (
+            lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True, momentum=0.5),
+            fadam.rmsprop(lr=1e-3, centered=True, momentum=0.5),
+        ),
+        (lambda ps: torch.optim.Adagrad(ps, lr=1e-1, lr_decay=0.05), fadam.adagrad(lr=1e-1, lr_decay=0.05)),
     ],
-    ids=["adam", "amsgrad", "adamw", "sgd-momentum", "nadam"],
+    ids=["adam", "amsgrad", "adamw", "sgd-momentum", "nadam", "rmsprop-centered-momentum", "adagrad-lr-decay"],
 )
 def test_switching_from_torch_to_fadam_and_back_mid_run(torch_make, tx):
     stay, switch = _model(), _model()
