@@ -149,6 +149,9 @@ class Optimizer(torch.optim.Optimizer):
                 mode = "rescale"
                 if group["lr"] is None:
                     group["lr"] = 1.0
+                if _lr_value(group["lr"]) == 0.0:
+                    del self.param_groups[-1]
+                    raise ValueError("lr 0 cannot be the base a ready-made transform is rescaled from; pass a factory")
         elif callable(spec):
             if group["lr"] is None:
                 del self.param_groups[-1]

@@ -224,6 +224,8 @@ def test_bad_arguments_raise():
         fadam.Optimizer(model.parameters(), fadam.adam)
     with pytest.raises(TypeError, match="GradientTransformation or a factory"):
         fadam.Optimizer(model.parameters(), 0.1)
+    with pytest.raises(ValueError, match="lr 0 cannot be the base"):
+        fadam.Optimizer(model.parameters(), fadam.sgd(lr=0.1), lr=0.0)
 
 
 # --- GradScaler ----------------------------------------------------------------------------------------------------
