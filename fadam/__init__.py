@@ -27,11 +27,11 @@ from fadam._tree import (
     tree_sub,
     tree_zeros_like,
 )
-from fadam.aliases import adam, adamw, sgd
+from fadam.aliases import adafactor, adagrad, adam, adamax, adamw, lamb, lion, nadam, nadamw, radam, rmsprop, sgd
+from fadam.bridge import Optimizer, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
-from fadam.meta import MetaOptimizer, MetaSnapshot, stop_gradient
 from fadam.combinators._wrappers import (
     ApplyIfFiniteState,
     MultiSteps,
@@ -44,6 +44,7 @@ from fadam.combinators._wrappers import (
     skip_not_finite,
     zero_nans,
 )
+from fadam.meta import MetaOptimizer, MetaSnapshot, stop_gradient
 from fadam.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -61,9 +62,28 @@ from fadam.schedules import (
     warmup_exponential_decay_schedule,
 )
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
-from fadam.transforms._clipping import clip, clip_by_global_norm
+from fadam.transforms._adam_variants import (
+    ScaleByAdamaxState,
+    ScaleByNadamState,
+    ScaleByRadamState,
+    scale_by_adamax,
+    scale_by_nadam,
+    scale_by_radam,
+)
+from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
+from fadam.transforms._clipping import clip, clip_by_block_rms, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
-from fadam.transforms._momentum import TraceState, trace
+from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
+from fadam.transforms._lion import ScaleByLionState, scale_by_lion
+from fadam.transforms._momentum import EmaState, TraceState, ema, trace
+from fadam.transforms._rms import (
+    ScaleByRmsState,
+    ScaleByRssState,
+    ScaleByRStdDevState,
+    scale_by_rms,
+    scale_by_rss,
+    scale_by_stddev,
+)
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
 
 global_norm = tree_global_norm
@@ -72,7 +92,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyIfFiniteState",
+    "EmaState",
     "EmptyState",
+    "FactoredState",
     "FusibleUpdate",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
@@ -83,15 +105,26 @@ __all__ = [
     "MetaSnapshot",
     "MultiSteps",
     "MultiStepsState",
+    "Optimizer",
     "PartitionState",
     "ScalarOrSchedule",
     "ScaleByAdamState",
+    "ScaleByAdamaxState",
     "ScaleByAmsgradState",
+    "ScaleByLionState",
+    "ScaleByNadamState",
+    "ScaleByRStdDevState",
+    "ScaleByRadamState",
+    "ScaleByRmsState",
+    "ScaleByRssState",
     "ScaleByScheduleState",
     "Schedule",
     "TraceState",
     "ZeroNansState",
+    "adafactor",
+    "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "add_decayed_weights",
     "add_decoupled_weight_decay",
@@ -99,28 +132,46 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
+    "ema",
     "exponential_decay",
     "freeze",
     "global_norm",
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "lamb",
     "linear_onecycle_schedule",
     "linear_schedule",
+    "lion",
     "masked",
+    "nadam",
+    "nadamw",
     "named_chain",
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
+    "radam",
+    "rmsprop",
     "scale",
     "scale_by_adam",
+    "scale_by_adamax",
+    "scale_by_factored_rms",
     "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_nadam",
+    "scale_by_param_block_rms",
+    "scale_by_radam",
+    "scale_by_rms",
+    "scale_by_rss",
     "scale_by_schedule",
+    "scale_by_stddev",
+    "scale_by_trust_ratio",
     "schedules",
     "selective_transform",
     "set_to_zero",
@@ -129,7 +180,9 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "state_from_dict",
+    "state_from_torch",
     "state_to_dict",
+    "state_to_torch",
     "stateless",
     "stateless_with_tree_map",
     "step",

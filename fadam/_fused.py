@@ -181,3 +181,57 @@ def fused_sgd_step(
         return spec.unflatten(new_params), new_state
 
     return fused_step
+
+
+def fused_adagrad_step(
+    *,
+    rss_index: int,
+    lr: ScalarOrSchedule,
+    lr_decay: float,
+    weight_decay: float | torch.Tensor,
+    eps: float,
+    maximize: bool,
+) -> FusedStep:
+    """``torch._fused_adagrad_`` for ``fadam.adagrad`` (real params; the kernel has no complex support)."""
+
+    def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
+        if any(isinstance(x, torch.Tensor) for x in (weight_decay, lr_decay, eps)):
+            return None
+        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        sums = check_leaves(state[rss_index].sum_of_squares, params, what="Adagrad state")[0]
+        if not can_fuse([*param_leaves, *grad_leaves, *sums]) or any(p.is_complex() for p in param_leaves):
+            return None
+        if any(not (p.dtype == g.dtype == s.dtype) for p, g, s in zip(param_leaves, grad_leaves, sums)):
+            return None
+        lr_state = state[rss_index + 1]
+        lr_value = _learning_rate(lr, lr_state)
+        if lr_value is None:
+            return None
+        # the kernel's lr is lr / (1 + (step - 1) * lr_decay): it needs the step only when lr_decay is set, and then
+        # the chain's lr schedule state holds it (count = step - 1)
+        counted = isinstance(lr_state, ScaleByScheduleState)
+        step_value = (safe_increment(lr_state.count) if counted else torch.ones([], dtype=torch.int32)).to(
+            torch.float32
+        )
+
+        def kernel(device: torch.device, p: list, g: list, s: list) -> None:
+            torch._fused_adagrad_(
+                p,
+                g,
+                s,
+                [step_value.to(device)] * len(p),
+                lr=_lr_for(lr_value, device),
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+            )
+
+        with torch.no_grad():
+            new_params, _, new_sums = _run_groups([param_leaves, grad_leaves, sums], kernel, donate)
+        new_state = tuple(
+            type(s)(spec.unflatten(new_sums)) if i == rss_index else _advance(s) for i, s in enumerate(state)
+        )
+        return spec.unflatten(new_params), new_state
+
+    return fused_step

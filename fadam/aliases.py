@@ -8,11 +8,17 @@ from __future__ import annotations
 import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
-from fadam._fused import fused_adam_step, fused_sgd_step
+from fadam._fused import fused_adagrad_step, fused_adam_step, fused_sgd_step
 from fadam.combinators._chain import chain
 from fadam.transforms._adam import scale_by_adam
+from fadam.transforms._adam_variants import scale_by_adamax, scale_by_nadam, scale_by_radam
+from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
+from fadam.transforms._clipping import clip_by_block_rms
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
-from fadam.transforms._momentum import trace
+from fadam.transforms._factorized import scale_by_factored_rms
+from fadam.transforms._lion import scale_by_lion
+from fadam.transforms._momentum import ema, trace
+from fadam.transforms._rms import scale_by_rms, scale_by_rss, scale_by_stddev
 from fadam.transforms._scaling import scale, scale_by_learning_rate
 from fadam.transforms._validation import known_value
 
@@ -227,3 +233,453 @@ def sgd(
         maximize=maximize,
     )
     return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+
+
+def _head(maximize: bool, weight_decay: float | torch.Tensor, decoupled: bool = False) -> list[GradientTransformation]:
+    """torch.optim's gradient preamble: negate for ``maximize``, then add the coupled L2 penalty."""
+    head = [scale(-1.0)] if maximize else []
+    if not decoupled and _has_decay(weight_decay):
+        head.append(add_decayed_weights(weight_decay))
+    return head
+
+
+def _tail(lr: ScalarOrSchedule, weight_decay: float | torch.Tensor, decoupled: bool) -> list[GradientTransformation]:
+    """torch.optim's decoupled decay ``p *= 1 - lr * weight_decay``, placed after the learning rate."""
+    return [add_decoupled_weight_decay(lr, weight_decay)] if decoupled and _has_decay(weight_decay) else []
+
+
+def nadam(
+    lr: ScalarOrSchedule = 2e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float | torch.Tensor = 0.0,
+    momentum_decay: float = 4e-3,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""NAdam exactly as ``torch.optim.NAdam`` (see ``scale_by_nadam``).
+
+    .. math::
+        p_t = p_{t-1} - \eta_t\, u_t^{\text{NAdam}}, \quad\text{with } g_t \leftarrow \pm g_t + \lambda p_{t-1}
+        \text{ or, decoupled, } p_{t-1} \leftarrow (1 - \eta_t\lambda) p_{t-1}
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: decays of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: the decay :math:`\lambda`.
+        momentum_decay: decay :math:`\psi` of the momentum schedule.
+        decoupled_weight_decay: decay the params as AdamW does (NAdamW) instead of adding an L2 penalty.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.nadam(lr=0.1)
+        >>> params = [torch.zeros(1)]
+        >>> tx.update([torch.tensor([2.0])], tx.init(params), params)[0][0].round(decimals=4)
+        tensor([-0.1056])
+
+    References:
+        Dozat, "Incorporating Nesterov Momentum into Adam", 2016.
+    """
+    _check_adam_args(lr, betas, eps, weight_decay)
+    if not momentum_decay >= 0.0:
+        raise ValueError(f"Invalid momentum_decay value: {momentum_decay}")
+    return chain(
+        *_head(maximize, weight_decay, decoupled_weight_decay),
+        scale_by_nadam(betas[0], betas[1], eps, momentum_decay),
+        scale_by_learning_rate(lr),
+        *_tail(lr, weight_decay, decoupled_weight_decay),
+    )
+
+
+def nadamw(
+    lr: ScalarOrSchedule = 2e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float | torch.Tensor = 1e-2,
+    momentum_decay: float = 4e-3,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""NAdam with decoupled weight decay: ``torch.optim.NAdam(..., decoupled_weight_decay=True)``.
+
+    .. math::
+        p_t = (1 - \eta_t\lambda)\, p_{t-1} - \eta_t\, u_t^{\text{NAdam}}
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: decays of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: decoupled decay :math:`\lambda` (default 1e-2, as AdamW).
+        momentum_decay: decay of the momentum schedule.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.nadamw(lr=0.1, weight_decay=0.5)
+        >>> params = [torch.ones(1)]
+        >>> updates, _ = tx.update([torch.zeros(1)], tx.init(params), params)
+        >>> fadam.apply_updates(params, updates)[0]
+        tensor([0.9500])
+
+    References:
+        Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019.
+    """
+    return nadam(lr, betas, eps, weight_decay, momentum_decay, True, maximize=maximize)
+
+
+def radam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float | torch.Tensor = 0.0,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""RAdam exactly as ``torch.optim.RAdam`` (see ``scale_by_radam``).
+
+    .. math::
+        p_t = p_{t-1} - \eta_t\, u_t^{\text{RAdam}}, \quad\text{with } g_t \leftarrow \pm g_t + \lambda p_{t-1}
+        \text{ or, decoupled, } p_{t-1} \leftarrow (1 - \eta_t\lambda) p_{t-1}
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: decays of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: the decay :math:`\lambda`.
+        decoupled_weight_decay: decay the params as AdamW does instead of adding an L2 penalty.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.radam(lr=0.1)
+        >>> params = [torch.zeros(1)]
+        >>> tx.update([torch.tensor([2.0])], tx.init(params), params)[0]
+        [tensor([-0.2000])]
+
+    References:
+        Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", 2020.
+    """
+    _check_adam_args(lr, betas, eps, weight_decay)
+    return chain(
+        *_head(maximize, weight_decay, decoupled_weight_decay),
+        scale_by_radam(betas[0], betas[1], eps),
+        scale_by_learning_rate(lr),
+        *_tail(lr, weight_decay, decoupled_weight_decay),
+    )
+
+
+def rmsprop(
+    lr: ScalarOrSchedule = 1e-2,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float | torch.Tensor = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""RMSprop exactly as ``torch.optim.RMSprop``: epsilon outside the square root, optional centering and momentum.
+
+    .. math::
+        v_t = \alpha v_{t-1} + (1-\alpha) g_t^2,\quad d_t = \sqrt{v_t - [\bar g_t^2]} + \epsilon,\quad
+        b_t = \mu b_{t-1} + g_t / d_t,\quad p_t = p_{t-1} - \eta_t b_t
+
+    ``chain([scale(-1)], [add_decayed_weights], scale_by_rms | scale_by_stddev (eps_in_sqrt=False), [trace],
+    scale_by_learning_rate)``.
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        alpha: decay of the squared-gradient average.
+        eps: added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+        momentum: momentum :math:`\mu` applied to the scaled gradient (0: none, no buffer kept).
+        centered: divide by the estimated standard deviation (subtracting the squared mean gradient :math:`\bar g_t`).
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.rmsprop(lr=0.01, alpha=0.75, eps=0.0)
+        >>> params = [torch.zeros(1)]
+        >>> tx.update([torch.tensor([3.0])], tx.init(params), params)[0]
+        [tensor([-0.0200])]
+
+    References:
+        Hinton, "Lecture 6.5: RMSprop", 2012; Graves, "Generating Sequences With Recurrent Neural Networks", 2013.
+    """
+    _check_lr(lr)
+    for name, value in (("epsilon", eps), ("momentum", momentum), ("weight_decay", weight_decay), ("alpha", alpha)):
+        if not value >= 0.0:
+            raise ValueError(f"Invalid {name} value: {value}")
+    scaling = (scale_by_stddev if centered else scale_by_rms)(alpha, eps, eps_in_sqrt=False)
+    return chain(
+        *_head(maximize, weight_decay),
+        scaling,
+        *([trace(momentum)] if momentum > 0 else []),
+        scale_by_learning_rate(lr),
+    )
+
+
+def _decayed_lr(lr: ScalarOrSchedule, lr_decay: float) -> ScalarOrSchedule:
+    """torch.optim.Adagrad's ``lr / (1 + (step - 1) * lr_decay)``, as a schedule of the 0-based count."""
+    if lr_decay == 0:
+        return lr
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        base = lr(count) if callable(lr) else lr
+        return base / (1 + count.to(torch.float64) * lr_decay)
+
+    return schedule
+
+
+def adagrad(
+    lr: ScalarOrSchedule = 1e-2,
+    lr_decay: float = 0.0,
+    weight_decay: float | torch.Tensor = 0.0,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""Adagrad exactly as ``torch.optim.Adagrad`` (dense gradients); ``fadam.step`` runs torch's fused kernel.
+
+    .. math::
+        s_t = s_{t-1} + g_t^2,\qquad p_t = p_{t-1} - \frac{\eta}{1 + (t-1)\delta}\,\frac{g_t}{\sqrt{s_t} + \epsilon}
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        lr_decay: the decay :math:`\delta` of the learning rate.
+        weight_decay: L2 penalty added to the gradient.
+        initial_accumulator_value: initial value of :math:`s`.
+        eps: added to the denominator.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adagrad(lr=0.5, eps=0.0)
+        >>> params = [torch.zeros(1)]
+        >>> tx.update([torch.tensor([-3.0])], tx.init(params), params)[0]
+        [tensor([0.5000])]
+
+    References:
+        Duchi et al., "Adaptive Subgradient Methods for Online Learning and Stochastic Optimization", 2011.
+    """
+    _check_lr(lr)
+    if not lr_decay >= 0.0:
+        raise ValueError(f"Invalid lr_decay value: {lr_decay}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not initial_accumulator_value >= 0.0:
+        raise ValueError(f"Invalid initial_accumulator_value value: {initial_accumulator_value}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    head = _head(maximize, weight_decay)
+    tx = chain(
+        *head,
+        scale_by_rss(initial_accumulator_value, eps, eps_in_sqrt=False),
+        scale_by_learning_rate(_decayed_lr(lr, lr_decay)),
+    )
+    fused = fused_adagrad_step(
+        rss_index=len(head), lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize
+    )
+    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+
+
+def adamax(
+    lr: ScalarOrSchedule = 2e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float | torch.Tensor = 0.0,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""Adamax exactly as ``torch.optim.Adamax`` (see ``scale_by_adamax``).
+
+    .. math::
+        p_t = p_{t-1} - \frac{\eta_t}{1-\beta_1^t} \frac{m_t}{u^\infty_t}
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: decays of the first moment and of the infinity norm.
+        eps: added to :math:`|g_t|`.
+        weight_decay: L2 penalty added to the gradient.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adamax(lr=0.1)
+        >>> params = [torch.zeros(1)]
+        >>> tx.update([torch.tensor([-4.0])], tx.init(params), params)[0]
+        [tensor([0.1000])]
+
+    References:
+        Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015, section 7.1.
+    """
+    _check_adam_args(lr, betas, eps, weight_decay)
+    return chain(*_head(maximize, weight_decay), scale_by_adamax(betas[0], betas[1], eps), scale_by_learning_rate(lr))
+
+
+def lion(
+    lr: ScalarOrSchedule = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float | torch.Tensor = 1e-3,
+    *,
+    maximize: bool = False,
+    mu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Lion (see ``scale_by_lion``), with decoupled weight decay scaled by the learning rate as in the paper.
+
+    .. math::
+        p_t = p_{t-1} - \eta_t\left(\operatorname{sign}(\beta_1 m_{t-1} + (1-\beta_1) g_t) + \lambda p_{t-1}\right)
+
+    ``chain([scale(-1)], scale_by_lion, add_decayed_weights, scale_by_learning_rate)`` (optax's ``lion``, whose
+    defaults these are).
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule (typically 3-10x smaller than AdamW's).
+        betas: :math:`(\beta_1, \beta_2)`: interpolation weight in the update, decay of the momentum.
+        weight_decay: decoupled decay :math:`\lambda`.
+        maximize: maximize the objective.
+        mu_dtype: dtype of the momentum (default: the param's).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.lion(lr=0.1, weight_decay=0.0)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([0.01, -5.0])], tx.init(params), params)[0]
+        [tensor([-0.1000,  0.1000])]
+
+    References:
+        Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023.
+    """
+    _check_lr(lr)
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    decay = [add_decayed_weights(weight_decay)] if _has_decay(weight_decay) else []
+    return chain(*_head(maximize, 0.0), scale_by_lion(betas[0], betas[1], mu_dtype), *decay, scale_by_learning_rate(lr))
+
+
+def lamb(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float | torch.Tensor = 0.0,
+    *,
+    eps_root: float = 0.0,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""LAMB: Adam's direction plus decoupled weight decay, rescaled per leaf by the trust ratio.
+
+    .. math::
+        r_t = \frac{\hat m_t}{\sqrt{\hat v_t} + \epsilon} + \lambda p_{t-1},\qquad
+        p_t = p_{t-1} - \eta_t \frac{\|p_{t-1}\|}{\|r_t\|} r_t
+
+    ``chain([scale(-1)], scale_by_adam, add_decayed_weights, scale_by_trust_ratio, scale_by_learning_rate)``, optax's
+    ``lamb`` (the ratio is 1 where either norm is zero).
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: decays of the first and second moments.
+        eps: added to the denominator (1e-6 as in the paper and optax).
+        weight_decay: decoupled decay :math:`\lambda`, inside the trust ratio.
+        eps_root: added inside the square root (meta-gradients).
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.lamb(lr=0.1)
+        >>> params = [torch.tensor([3.0, 4.0])]
+        >>> tx.update([torch.tensor([1.0, 0.0])], tx.init(params), params)[0][0].round(decimals=4)
+        tensor([-0.5000, -0.0000])
+
+    References:
+        You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", 2020.
+    """
+    _check_adam_args(lr, betas, eps, weight_decay)
+    decay = [add_decayed_weights(weight_decay)] if _has_decay(weight_decay) else []
+    return chain(
+        *_head(maximize, 0.0),
+        scale_by_adam(betas[0], betas[1], eps, eps_root),
+        *decay,
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(lr),
+    )
+
+
+def adafactor(
+    lr: ScalarOrSchedule | None = None,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: float | None = 1.0,
+    momentum: float | None = None,
+    dtype_momentum: torch.dtype | None = None,
+    weight_decay_rate: float | None = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+    *,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""Adafactor with optax's arguments and order of transforms.
+
+    .. math::
+        u_t = \text{clip}_d\!\left(\frac{g_t}{\sqrt{\hat V_t}}\right),\qquad
+        p_t = p_{t-1} - \left(\eta_t \max(\operatorname{rms}(p_{t-1}), 10^{-3})\, u_t + \lambda p_{t-1}\right)
+
+    where :math:`\hat V_t` is the factored second moment (``scale_by_factored_rms``) and :math:`\text{clip}_d` rescales
+    a leaf whose RMS exceeds ``clipping_threshold``. ``chain([scale(-1)], scale_by_factored_rms, [clip_by_block_rms],
+    [scale(lr)], [scale_by_param_block_rms], [ema(momentum)], [add_decayed_weights], scale(-1))``.
+
+    Args:
+        lr: learning rate (float, 0-d tensor or schedule); ``None`` uses the relative step alone (optax's default).
+        min_dim_size_to_factor: factor a matrix's second moment only if its second-largest dim has this size.
+        decay_rate: exponent :math:`c` of the decay :math:`1 - t^{-c}` of the second moment.
+        decay_offset: step offset of that decay (fine-tuning).
+        multiply_by_parameter_scale: scale by the param's RMS (the paper's relative step size).
+        clipping_threshold: the update clipping :math:`d` (``None``: no clipping).
+        momentum: decay of an optional momentum on the updates (not debiased).
+        dtype_momentum: dtype of that momentum (default: the param's; optax keeps it in float32).
+        weight_decay_rate: :math:`\lambda`, added after the learning rate as optax does (``None``: no decay).
+        eps: :math:`\epsilon_1`, added to the squared gradient.
+        factored: factor the second moment of matrices.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adafactor(lr=0.1)
+        >>> params = [torch.full((2,), 2.0)]
+        >>> tx.update([torch.tensor([1.0, -1.0])], tx.init(params), params)[0]
+        [tensor([-0.2000,  0.2000])]
+
+    References:
+        Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", 2018.
+    """
+    if lr is not None:
+        _check_lr(lr)
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+    if weight_decay_rate is not None and not weight_decay_rate >= 0.0:
+        raise ValueError(f"Invalid weight_decay_rate value: {weight_decay_rate}")
+    if clipping_threshold is not None and not clipping_threshold > 0.0:
+        raise ValueError(f"Invalid clipping_threshold value: {clipping_threshold}")
+    transforms = _head(maximize, 0.0)
+    transforms.append(scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor, eps))
+    if clipping_threshold is not None:
+        transforms.append(clip_by_block_rms(clipping_threshold))
+    if lr is not None:
+        transforms.append(scale_by_learning_rate(lr, flip_sign=False))
+    if multiply_by_parameter_scale:
+        transforms.append(scale_by_param_block_rms())
+    if momentum is not None:
+        transforms.append(ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
+    if weight_decay_rate is not None:
+        transforms.append(add_decayed_weights(weight_decay_rate))
+    transforms.append(scale(-1.0))
+    return chain(*transforms)

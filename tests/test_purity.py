@@ -27,6 +27,27 @@ def _half_lr(count: torch.Tensor) -> torch.Tensor:
 # name -> builders of a transform. Give each factory its interesting configurations; ``complex`` says whether the
 # transform accepts complex params (clip does not: clamp has no order on complex numbers).
 FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
+    "adafactor": [lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2), lambda: fadam.adafactor(momentum=0.9)],
+    "adagrad": [lambda: fadam.adagrad(0.1), lambda: fadam.adagrad(0.1, lr_decay=1e-3, initial_accumulator_value=0.1)],
+    "adamax": [lambda: fadam.adamax(1e-2, weight_decay=0.1)],
+    "clip_by_block_rms": [lambda: fadam.clip_by_block_rms(0.5)],
+    "ema": [lambda: fadam.ema(0.9), lambda: fadam.ema(0.9, debias=False)],
+    "lamb": [lambda: fadam.lamb(1e-2, weight_decay=0.01)],
+    "lion": [lambda: fadam.lion(1e-3, weight_decay=0.1)],
+    "nadam": [lambda: fadam.nadam(1e-2), lambda: fadam.nadam(1e-2, weight_decay=0.1, decoupled_weight_decay=True)],
+    "nadamw": [lambda: fadam.nadamw(1e-2)],
+    "radam": [lambda: fadam.radam(1e-2), lambda: fadam.radam(1e-2, weight_decay=0.1, decoupled_weight_decay=True)],
+    "rmsprop": [lambda: fadam.rmsprop(1e-2), lambda: fadam.rmsprop(1e-2, centered=True, momentum=0.9)],
+    "scale_by_adamax": [fadam.scale_by_adamax],
+    "scale_by_factored_rms": [lambda: fadam.scale_by_factored_rms(min_dim_size_to_factor=2)],
+    "scale_by_lion": [fadam.scale_by_lion],
+    "scale_by_nadam": [fadam.scale_by_nadam],
+    "scale_by_param_block_rms": [fadam.scale_by_param_block_rms],
+    "scale_by_radam": [fadam.scale_by_radam],
+    "scale_by_rms": [fadam.scale_by_rms, lambda: fadam.scale_by_rms(eps_in_sqrt=False)],
+    "scale_by_rss": [fadam.scale_by_rss],
+    "scale_by_stddev": [fadam.scale_by_stddev],
+    "scale_by_trust_ratio": [fadam.scale_by_trust_ratio],
     "apply_if_finite": [
         lambda: fadam.apply_if_finite(fadam.adam(1e-2, amsgrad=True), 2),
         lambda: fadam.apply_if_finite(fadam.sgd(_half_lr, momentum=0.9), 0),

@@ -54,3 +54,32 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
         return tree_map(lambda g: None if g is None else g * factor, updates), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def clip_by_block_rms(threshold: float | torch.Tensor) -> GradientTransformation:
+    r"""Rescales each leaf whose root mean square exceeds ``threshold`` (Adafactor's update clipping).
+
+    .. math::
+        u = \frac{g}{\max\left(1, \operatorname{rms}(g) / d\right)}
+
+    Args:
+        threshold: the largest root mean square :math:`d` allowed per leaf.
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.clip_by_block_rms(1.0).update([torch.tensor([4.0, -4.0])], fadam.EmptyState())[0]
+        [tensor([ 1., -1.])]
+
+    References:
+        Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", 2018 (section 6).
+    """
+    check_non_negative("threshold", threshold)
+
+    def clip_leaf(g: torch.Tensor) -> torch.Tensor:
+        rms = torch.linalg.vector_norm(g) / (max(g.numel(), 1) ** 0.5)
+        return g / torch.clamp(rms / threshold, min=1.0).to(g.real.dtype)
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
+        return tree_map(lambda g: None if g is None else clip_leaf(g), updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)

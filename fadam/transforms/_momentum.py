@@ -91,3 +91,49 @@ def _add_scaled(x: torch.Tensor, y: torch.Tensor, factor: float | torch.Tensor) 
     if isinstance(factor, torch.Tensor):
         return torch.addcmul(x, y, factor.to(y.dtype))
     return torch.add(x, y, alpha=factor)
+class EmaState(NamedTuple):
+    count: torch.Tensor  # 0-d int32: steps taken (for the debiasing)
+    ema: PyTree
+
+
+def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
+    r"""Replaces updates by their exponential moving average (optax's ``ema``).
+
+    .. math::
+        e_t = \beta e_{t-1} + (1-\beta) g_t,\qquad u_t = e_t \text{ or, debiased, } \frac{e_t}{1-\beta^t}
+
+    Args:
+        decay: the decay :math:`\beta`.
+        debias: divide by :math:`1-\beta^t`.
+        accumulator_dtype: dtype of the average (default: the param's).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.ema(0.9, debias=False)
+        >>> tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))[0]
+        [tensor([0.1000])]
+    """
+    check_non_negative("decay", decay)
+
+    def init(params: PyTree) -> EmaState:
+        return EmaState(
+            zero_count(),
+            tree_map(lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype)), params),
+        )
+
+    def update(updates: PyTree, state: EmaState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmaState]:
+        grads, emas, spec = check_leaves(updates, state.ema, like_what="the EMA state (params)")
+        count = safe_increment(state.count)
+        correction = 1 - torch.pow(decay, count.to(torch.float64)) if debias else None
+        new_updates, new_emas = [], []
+        for g, e in zip(grads, emas):
+            if g is None:
+                new_updates.append(None)
+                new_emas.append(e)
+                continue
+            e_new = e.lerp(g.to(e.dtype), 1 - decay)
+            new_updates.append((e_new if correction is None else e_new / correction).to(g.dtype))
+            new_emas.append(e_new)
+        return spec.unflatten(new_updates), EmaState(count, spec.unflatten(new_emas))
+
+    return GradientTransformation(init, update)

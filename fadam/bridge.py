@@ -1,0 +1,466 @@
+"""The torch.optim bridge: ``fadam.Optimizer`` runs any fadam transform as a ``torch.optim.Optimizer`` for
+module-based training loops, and ``state_from_torch`` / ``state_to_torch`` convert optimizer state between
+torch.optim's per-param dicts and fadam's functional state, so a run can switch sides mid-way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import optree
+import torch
+
+from fadam._base import GradientTransformation, step
+from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
+from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
+from fadam.transforms._adam_variants import ScaleByAdamaxState, ScaleByNadamState, ScaleByRadamState
+from fadam.transforms._momentum import TraceState
+from fadam.transforms._rms import ScaleByRmsState, ScaleByRssState, ScaleByRStdDevState
+
+__all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
+
+TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
+
+_LR_KEYS = ("learning_rate", "lr")
+
+
+def _lr_value(lr: float | torch.Tensor) -> float:
+    return float(lr.detach()) if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def _map_states(state: PyTree, fn: Callable[[Any], Any | None]) -> PyTree:
+    """Rebuilds ``state``, replacing every node for which ``fn`` returns a value (containers are walked)."""
+    replaced = fn(state)
+    if replaced is not None:
+        return replaced
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(_map_states(x, fn) for x in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(_map_states(x, fn) for x in state)
+    if isinstance(state, dict):
+        return {k: _map_states(v, fn) for k, v in state.items()}
+    return state
+
+
+def _injected_lr(state: PyTree) -> torch.Tensor | None:
+    """The learning rate of an ``inject_hyperparams`` state (a node with a ``hyperparams`` dict), found by duck
+    typing so that the bridge does not depend on that wrapper."""
+    found: list[torch.Tensor] = []
+
+    def visit(node: Any) -> None:
+        hyperparams = getattr(node, "hyperparams", None)
+        if isinstance(hyperparams, dict) and not found:
+            for key in _LR_KEYS:
+                if key in hyperparams:
+                    found.append(hyperparams[key])
+                    return
+        return None
+
+    _map_states(state, visit)
+    return found[0] if found else None
+
+
+def _with_injected_lr(state: PyTree, lr: float) -> PyTree:
+    def replace(node: Any) -> Any | None:
+        hyperparams = getattr(node, "hyperparams", None)
+        if not isinstance(hyperparams, dict) or not any(k in hyperparams for k in _LR_KEYS):
+            return None
+        key = next(k for k in _LR_KEYS if k in hyperparams)
+        old = hyperparams[key]
+        value = torch.as_tensor(lr, dtype=old.dtype, device=old.device) if isinstance(old, torch.Tensor) else lr
+        return node._replace(hyperparams={**hyperparams, key: value})
+
+    return _map_states(state, replace)
+
+
+class Optimizer(torch.optim.Optimizer):
+    r"""A ``torch.optim.Optimizer`` that runs a fadam transform: for module-based training loops.
+
+    ``params`` is what torch.optim accepts: ``model.parameters()``, ``model.named_parameters()`` (the names become
+    the keys of the pytree the transform sees, so masks and ``partition`` labels can use them) or a list of param-group
+    dicts, each of which may carry its own ``tx`` and ``lr``. ``step`` updates the params in place, as torch.optim
+    does (through ``fadam.step(..., donate=True)``, so the aliases with a fused torch kernel run it).
+
+    ``param_groups[i]["lr"]`` drives the step, so every ``torch.optim.lr_scheduler`` works. How it reaches the
+    transform depends on what ``tx`` is:
+
+    - a **factory** (``fadam.adamw``, ``functools.partial(fadam.sgd, momentum=0.9)``, any callable taking ``lr``):
+      it is built with a learning-rate schedule that reads the group's current ``lr``. Exact: this is the way to
+      follow a torch.optim optimizer and its scheduler step for step. Needs ``lr``.
+    - a transform whose state holds injected hyperparameters (``fadam.inject_hyperparams``) with a ``learning_rate``
+      or ``lr`` entry: the group's ``lr`` is written there before each step (and read from there by default).
+    - any other transform: its updates are multiplied by ``lr / lr_at_construction`` (``lr`` defaults to 1.0, so it is
+      a multiplier on the transform's own step size; exact while it is unchanged).
+
+    The functional state of group ``i`` is ``optimizer.tx_states[i]``; ``state_dict`` stores its leaves (tensors
+    only, loadable with ``torch.load(weights_only=True)``), ``load_state_dict`` checks them against the optimizer's
+    own state and loads nothing unless every leaf matches. ``torch.amp.GradScaler`` works through its standard path
+    (``scaler.unscale_`` then a skipped step when a gradient is not finite).
+
+    Args:
+        params: params, named params or param-group dicts (keys ``params``, optional ``tx``, ``lr`` and others).
+        tx: a ``GradientTransformation`` or a factory ``tx(lr=...) -> GradientTransformation``.
+        lr: the learning rate of groups that do not set one.
+
+    Example:
+        >>> import torch, fadam
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = fadam.Optimizer(model.named_parameters(), fadam.adam, lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> opt.step(); sched.step()
+        >>> opt.param_groups[0]["lr"], int(opt.tx_states[0][0].count)
+        (0.05, 1)
+    """
+
+    def __init__(self, params: Iterable[Any], tx: TransformOrFactory, *, lr: float | torch.Tensor | None = None):
+        self._txs: list[GradientTransformation] = []
+        self._modes: list[str] = []
+        self._base_lrs: list[float] = []
+        self.tx_states: list[PyTree] = []
+        super().__init__(params, {"lr": lr, "tx": tx})
+
+    # --- groups -----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _tree(group: dict[str, Any], leaves: list[Any]) -> PyTree:
+        names = group.get("param_names")
+        return dict(zip(names, leaves)) if names is not None else list(leaves)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names")
+        if names is not None and len(set(names)) != len(names):
+            del self.param_groups[-1]
+            raise ValueError(f"param names in a group must be unique, got {names}")
+        spec = group.pop("tx")
+        params = self._tree(group, [p.detach() for p in group["params"]])
+        if isinstance(spec, GradientTransformation):
+            tx = spec
+            state = tx.init(params)
+            injected = _injected_lr(state)
+            if injected is not None:
+                mode = "injected"
+                if group["lr"] is None:
+                    group["lr"] = _lr_value(injected)
+            else:
+                mode = "rescale"
+                if group["lr"] is None:
+                    group["lr"] = 1.0
+                if _lr_value(group["lr"]) == 0.0:
+                    del self.param_groups[-1]
+                    raise ValueError("lr 0 cannot be the base a ready-made transform is rescaled from; pass a factory")
+        elif callable(spec):
+            if group["lr"] is None:
+                del self.param_groups[-1]
+                raise ValueError("a transform factory needs a learning rate: pass lr= to fadam.Optimizer or the group")
+            mode = "factory"
+            tx = spec(lr=lambda count, group=group: _lr_value(group["lr"]))
+            if not isinstance(tx, GradientTransformation):
+                del self.param_groups[-1]
+                raise TypeError(f"tx(lr=...) returned a {type(tx).__name__}, expected a GradientTransformation")
+            state = tx.init(params)
+        else:
+            del self.param_groups[-1]
+            raise TypeError(f"tx must be a GradientTransformation or a factory taking lr, got {type(spec).__name__}")
+        self._txs.append(tx)
+        self._modes.append(mode)
+        self._base_lrs.append(_lr_value(group["lr"]))
+        self.tx_states.append(state)
+
+    # --- stepping ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Performs one optimization step on every group (a group where no param has a gradient is left alone)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"]]
+            if all(g is None for g in grads):
+                continue
+            # detached views share storage with the params but are plain tensors: fused kernels and in-place writes
+            leaves = [p.detach() for p in group["params"]]
+            params, grad_tree = self._tree(group, leaves), self._tree(group, grads)
+            tx, state, mode = self._txs[index], self.tx_states[index], self._modes[index]
+            lr = _lr_value(group["lr"])
+            if mode == "injected":
+                state = _with_injected_lr(state, lr)
+            if mode == "rescale" and lr != self._base_lrs[index]:
+                updates, state = tx.update(grad_tree, state, params)
+                factor = lr / self._base_lrs[index]
+                for p, u in zip(tree_leaves(params), tree_leaves(updates)):
+                    if u is not None:
+                        p.add_(u.to(p.dtype), alpha=factor)
+            else:
+                new_params, state = step(tx, params, grad_tree, state, donate=True)
+                for p, new in zip(tree_leaves(params), tree_leaves(new_params)):
+                    if new is not p:
+                        p.copy_(new)
+            self.tx_states[index] = state
+        return loss
+
+    # --- checkpoints ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """``{"state": {group index: [state leaves]}, "param_groups": [...]}``: tensors, numbers and lists only."""
+        groups, start = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return {"state": {i: tree_leaves(s) for i, s in enumerate(self.tx_states)}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Loads a ``state_dict`` of this optimizer; raises naming the first mismatch and then loads nothing."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
+            )
+        new_states = []
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {index}: state_dict has {len(saved['params'])} params, "
+                    f"this optimizer {len(group['params'])}"
+                )
+            current, spec = tree_flatten(self.tx_states[index])
+            leaves = state_dict["state"][index]
+            if len(leaves) != len(current):
+                raise ValueError(
+                    f"param group {index}: state_dict has {len(leaves)} state leaves, expected {len(current)}"
+                )
+            loaded = []
+            accessors = optree.tree_accessors(self.tx_states[index], none_is_leaf=True)
+            for accessor, new, old in zip(accessors, leaves, current):
+                where = f"param group {index}, state leaf {accessor.codify('state')}"
+                if (new is None) != (old is None) or (old is not None and not isinstance(new, torch.Tensor)):
+                    raise ValueError(f"{where}: expected {type(old).__name__}, got {type(new).__name__}")
+                if old is None:
+                    loaded.append(None)
+                    continue
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    raise ValueError(
+                        f"{where}: expected shape {tuple(old.shape)} and dtype {old.dtype}, "
+                        f"got {tuple(new.shape)} and {new.dtype}"
+                    )
+                loaded.append(new.to(old.device, copy=True))  # a copy: later donating steps must not write into it
+            new_states.append(spec.unflatten(loaded))
+        for group, saved, state, index in zip(self.param_groups, saved_groups, new_states, range(len(new_states))):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            self.tx_states[index] = state
+
+
+# --- torch.optim state import / export ------------------------------------------------------------------------------
+
+# fadam state type -> (fadam field, torch.optim per-param state key) for fields shaped like the params
+_MOMENTS: dict[type, tuple[tuple[str, str], ...]] = {
+    ScaleByAdamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
+    ScaleByAmsgradState: (("mu", "exp_avg"), ("nu", "exp_avg_sq"), ("nu_max", "max_exp_avg_sq")),
+    ScaleByNadamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
+    ScaleByRadamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
+    ScaleByAdamaxState: (("mu", "exp_avg"), ("nu", "exp_inf")),
+    ScaleByRmsState: (("nu", "square_avg"),),
+    ScaleByRStdDevState: (("mu", "grad_avg"), ("nu", "square_avg")),
+    ScaleByRssState: (("sum_of_squares", "sum"),),
+    TraceState: (("trace", "momentum_buffer"),),
+}
+# scalar fields kept once in fadam and per param in torch.optim
+_SCALARS: dict[type, tuple[tuple[str, str], ...]] = {ScaleByNadamState: (("mu_product", "mu_product"),)}
+
+
+def _torch_param_states(source: torch.optim.Optimizer | dict[str, Any], params: PyTree) -> list[dict[str, Any]]:
+    """torch.optim's per-param state for each leaf of ``params``: matched by identity to an optimizer's params, by
+    name when the optimizer was given named params and ``params`` is a dict of them, by order otherwise."""
+    leaves, spec = tree_flatten(params)
+    if isinstance(source, torch.optim.Optimizer):
+        opt_params = [p for g in source.param_groups for p in g["params"]]
+        by_id = {id(p): p for p in opt_params}
+        if all(id(p) in by_id for p in leaves):
+            return [source.state.get(p, {}) for p in leaves]
+        source = source.state_dict()
+    indices = [i for g in source["param_groups"] for i in g["params"]]
+    names = [n for g in source["param_groups"] for n in g.get("param_names", ())]
+    keys = [path[0] if len(path) == 1 else None for path in spec.paths()]
+    if len(names) == len(indices) and all(k in names for k in keys):
+        by_name = dict(zip(names, indices))
+        return [source["state"].get(by_name[k], {}) for k in keys]
+    if len(indices) != len(leaves):
+        raise ValueError(f"the torch optimizer has {len(indices)} params but params has {len(leaves)} leaves")
+    return [source["state"].get(i, {}) for i in indices]
+
+
+def _common_step(per_param: list[dict[str, Any]], paths: list[str]) -> int | None:
+    """torch.optim's per-param step, which must be the same for every param: fadam keeps one count."""
+    steps = {path: int(float(s["step"])) if "step" in s else 0 for path, s in zip(paths, per_param)}
+    if not any("step" in s for s in per_param):
+        return None
+    if len(set(steps.values())) > 1:
+        detail = ", ".join(f"{path}: {n}" for path, n in list(steps.items())[:6])
+        raise ValueError(
+            "torch.optim's per-param steps differ (" + detail + "); fadam keeps one step count for all params and "
+            "would use wrong bias corrections for some of them, so it refuses to convert this state"
+        )
+    return next(iter(steps.values()))
+
+
+def state_from_torch(
+    source: torch.optim.Optimizer | dict[str, Any],
+    tx: GradientTransformation,
+    params: PyTree,
+    *,
+    count: int | None = None,
+) -> PyTree:
+    r"""Converts a torch.optim optimizer's state into the functional state of ``tx``, to continue a run with fadam.
+
+    Supported: the moments of ``Adam``/``AdamW`` (and AMSGrad), ``SGD``'s momentum buffer, and those of ``NAdam``,
+    ``RAdam``, ``Adamax``, ``RMSprop``, ``Adagrad``, mapped onto the matching fadam states inside ``tx``'s state; every
+    step count in the state becomes torch's step. torch.optim keeps one step per param and fadam one per transform:
+    if the params' steps differ the conversion is refused. ``SGD`` keeps no step: its count is taken as 1 once a
+    momentum buffer exists (pass ``count`` to set it, e.g. for a learning-rate schedule). Hyperparameters are not
+    read: build ``tx`` with the same ones.
+
+    Args:
+        source: a torch.optim optimizer or its ``state_dict()``.
+        tx: the fadam transform that continues the run.
+        params: the params, as the pytree ``tx`` sees, in the optimizer's order (matched by identity when they are
+            the optimizer's own tensors).
+        count: overrides the step count.
+
+    Example:
+        >>> import torch, fadam
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.Adam([w], lr=0.1)
+        >>> w.grad = torch.ones(2); opt.step()
+        >>> state = fadam.state_from_torch(opt, fadam.adam(lr=0.1), [w])
+        >>> int(state[0].count), state[0].mu[0]
+        (1, tensor([0.1000, 0.1000]))
+    """
+    _, spec = tree_flatten(params)
+    per_param = _torch_param_states(source, params)
+    paths = [path_str(p) for p in spec.paths()]
+    step_count = _common_step(per_param, paths)
+    if count is not None:
+        step_count = count
+    elif step_count is None:
+        step_count = 1 if any(s.get("momentum_buffer") is not None for s in per_param) else 0
+    state = tx.init(params)
+
+    def fill(node: Any) -> Any | None:
+        fields = _MOMENTS.get(type(node))
+        if fields is None:
+            if isinstance(node, tuple) and "count" in getattr(node, "_fields", ()):  # schedules, wrappers: count only
+                return type(node)(
+                    *(
+                        torch.tensor(step_count, dtype=torch.int32) if name == "count" else _map_states(value, fill)
+                        for name, value in zip(node._fields, node)
+                    )
+                )
+            return None
+        values = node._asdict()
+        for field, key in fields:
+            old_leaves = spec.flatten_up_to(values[field])
+            new_leaves = []
+            for path, old, torch_state in zip(paths, old_leaves, per_param):
+                value = torch_state.get(key)
+                if value is None or old is None:
+                    new_leaves.append(old)
+                    continue
+                if value.shape != old.shape:
+                    raise ValueError(
+                        f"torch state {key!r} of {path} has shape {tuple(value.shape)}, expected {tuple(old.shape)}"
+                    )
+                new_leaves.append(value.detach().to(dtype=old.dtype, device=old.device, copy=True))
+            values[field] = spec.unflatten(new_leaves)
+        for field, key in _SCALARS.get(type(node), ()):
+            found = [s[key] for s in per_param if key in s]
+            if found:
+                values[field] = found[0].detach().to(dtype=values[field].dtype, device=values[field].device, copy=True)
+        if "count" in values:
+            values["count"] = torch.tensor(step_count, dtype=torch.int32)
+        return type(node)(**values)
+
+    return _map_states(state, fill)
+
+
+def state_to_torch(state: PyTree, params: PyTree, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    r"""Converts fadam functional state into a ``state_dict`` for ``optimizer`` (``optimizer.load_state_dict(...)``).
+
+    The inverse of ``state_from_torch``: the moments of the fadam states listed there become torch's per-param
+    entries, the step count becomes each param's ``step``. ``optimizer`` supplies the param groups (its
+    hyperparameters are kept as they are) and the param order. Before the first step (count 0) the state is empty,
+    as torch.optim's is.
+
+    Args:
+        state: the fadam state.
+        params: the params, as the pytree the state was built for, in the optimizer's order (or its own tensors).
+        optimizer: the torch.optim optimizer that continues the run.
+
+    Example:
+        >>> import torch, fadam
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> tx = fadam.sgd(lr=0.1, momentum=0.9)
+        >>> state = tx.update([torch.ones(2)], tx.init([w.detach()]))[1]
+        >>> opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        >>> opt.load_state_dict(fadam.state_to_torch(state, [w], opt))
+        >>> opt.state[w]["momentum_buffer"]
+        tensor([1., 1.])
+    """
+    leaves, spec = tree_flatten(params)
+    sd = optimizer.state_dict()
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    indices = [i for g in sd["param_groups"] for i in g["params"]]
+    if len(opt_params) != len(leaves):
+        raise ValueError(f"the torch optimizer has {len(opt_params)} params but params has {len(leaves)} leaves")
+    position = {id(p): i for i, p in enumerate(opt_params)}
+    order = [position[id(p)] for p in leaves] if all(id(p) in position for p in leaves) else list(range(len(leaves)))
+    per_param: list[dict[str, Any]] = [{} for _ in leaves]
+    counts: list[int] = []
+    stateful = [False]
+
+    def collect(node: Any) -> Any | None:
+        fields = _MOMENTS.get(type(node))
+        if fields is None:
+            return None
+        values = node._asdict()
+        if "count" in values:
+            counts.append(int(values["count"]))
+        for field, key in fields:
+            for i, leaf in enumerate(spec.flatten_up_to(values[field])):
+                if leaf is not None:
+                    per_param[i][key] = leaf.detach().clone()
+        for field, key in _SCALARS.get(type(node), ()):
+            for entry in per_param:
+                entry[key] = values[field].detach().clone()
+        stateful[0] = True
+        return node
+
+    def visit_counts(node: Any) -> Any | None:
+        if isinstance(node, tuple) and "count" in getattr(node, "_fields", ()) and type(node) not in _MOMENTS:
+            counts.append(int(node.count))
+        return collect(node)
+
+    _map_states(state, visit_counts)
+    if len(set(counts)) > 1:
+        raise ValueError(f"the fadam state holds different step counts {sorted(set(counts))}; torch.optim needs one")
+    step_count = counts[0] if counts else 0
+    if step_count == 0 or not stateful[0]:
+        return {"state": {}, "param_groups": sd["param_groups"]}
+    groups_of = [g for g in optimizer.param_groups for _ in g["params"]]
+    new_state = {}
+    for leaf_index, opt_index in enumerate(order):
+        entry = per_param[leaf_index]
+        group = groups_of[opt_index]
+        if not isinstance(optimizer, torch.optim.SGD):
+            on_device = group.get("fused") or group.get("capturable")
+            device = opt_params[opt_index].device if on_device else torch.device("cpu")
+            dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            entry["step"] = torch.tensor(float(step_count), dtype=dtype, device=device)
+        new_state[indices[opt_index]] = entry
+    return {"state": new_state, "param_groups": sd["param_groups"]}

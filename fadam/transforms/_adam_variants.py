@@ -1,0 +1,231 @@
+"""Adam's relatives: NAdam (``scale_by_nadam``), RAdam (``scale_by_radam``) and Adamax (``scale_by_adamax``).
+
+Each follows the matching ``torch.optim`` class's arithmetic: bias corrections in float64 from the step count, moments
+in the param's dtype, complex leaves per real and imaginary component.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fadam._base import GradientTransformation
+from fadam._numerics import bias_correction, safe_increment, zero_count
+from fadam._tree import PyTree, check_leaves, tree_map
+from fadam.transforms._leafwise import map_moments
+from fadam.transforms._validation import check_non_negative, check_unit_interval
+
+
+def _zeros(params: PyTree) -> PyTree:
+    return tree_map(lambda p: None if p is None else torch.zeros_like(p), params)
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim gives its 0-d state scalars (``mu_product``): float64 only under a float64 default."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class ScaleByNadamState(NamedTuple):
+    count: torch.Tensor  # 0-d int32: steps taken
+    mu_product: torch.Tensor  # 0-d: product of the momentum schedule so far (torch.optim.NAdam's ``mu_product``)
+    mu: PyTree  # first moment
+    nu: PyTree  # second moment
+
+
+def scale_by_nadam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, momentum_decay: float = 4e-3
+) -> GradientTransformation:
+    r"""Rescales updates by NAdam's Nesterov-accelerated moments, as ``torch.optim.NAdam``.
+
+    .. math::
+        \mu_t = \beta_1\left(1 - \tfrac12\, 0.96^{t\psi}\right),\quad
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t,\quad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2,\\
+        u_t = \frac{1}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}\left(
+            \frac{(1-\mu_t)\, g_t}{1-\prod_{i\le t}\mu_i} + \frac{\mu_{t+1}\, m_t}{1-\prod_{i\le t+1}\mu_i}\right)
+
+    where :math:`\psi` is ``momentum_decay``. The running product of :math:`\mu_i` is kept in the state as a 0-d tensor
+    of torch.optim's scalar dtype, so it rounds exactly as torch's does.
+
+    Args:
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added to the denominator.
+        momentum_decay: :math:`\psi`, the decay of the momentum schedule.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.scale_by_nadam()
+        >>> u, state = tx.update([torch.tensor([2.0])], tx.init([torch.zeros(1)]))
+        >>> u[0].round(decimals=4)
+        tensor([1.0565])
+
+    References:
+        Dozat, "Incorporating Nesterov Momentum into Adam", 2016.
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_non_negative("eps", eps)
+    check_non_negative("momentum_decay", momentum_decay)
+
+    def init(params: PyTree) -> ScaleByNadamState:
+        return ScaleByNadamState(zero_count(), torch.ones([], dtype=_scalar_dtype()), _zeros(params), _zeros(params))
+
+    def update(
+        updates: PyTree, state: ScaleByNadamState, params: PyTree | None = None, **_: Any
+    ) -> tuple[PyTree, ScaleByNadamState]:
+        grads, mus, spec = check_leaves(updates, state.mu, like_what="the NAdam state (params)")
+        nus = spec.flatten_up_to(state.nu)
+        count = safe_increment(state.count)
+        step = count.to(torch.float64)
+        mu_t = b1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
+        mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (step + 1) * momentum_decay))
+        # torch's in-place ``mu_product *= mu`` rounds mu to the state's dtype first, then multiplies in that dtype
+        mu_product = state.mu_product * mu_t.to(state.mu_product.dtype)
+        product = mu_product.to(torch.float64)
+        grad_coef = (1.0 - mu_t) / (1.0 - product)
+        momentum_coef = mu_next / (1.0 - product * mu_next)
+        bc2 = bias_correction(b2, count)
+
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            g = g.to(mu.dtype)
+            mu_new = mu.lerp(g, 1 - b1)
+            nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
+            denom = (nu_new / bc2).sqrt() + eps  # torch.optim.NAdam divides before the square root
+            return g / denom * grad_coef + mu_new / denom * momentum_coef, mu_new, nu_new
+
+        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
+        return spec.unflatten(new_updates), ScaleByNadamState(
+            count, mu_product, spec.unflatten(new_mus), spec.unflatten(new_nus)
+        )
+
+    return GradientTransformation(init, update)
+
+
+class ScaleByRadamState(NamedTuple):
+    count: torch.Tensor  # 0-d int32: steps taken
+    mu: PyTree
+    nu: PyTree
+
+
+def scale_by_radam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, threshold: float = 5.0
+) -> GradientTransformation:
+    r"""Rescales updates by Rectified Adam, as ``torch.optim.RAdam``.
+
+    .. math::
+        \rho_\infty = \frac{2}{1-\beta_2} - 1,\quad \rho_t = \rho_\infty - \frac{2t\beta_2^t}{1-\beta_2^t},\quad
+        \hat m_t = \frac{m_t}{1-\beta_1^t},\\
+        u_t = \begin{cases}
+            \hat m_t\, r_t \frac{\sqrt{1-\beta_2^t}}{\sqrt{v_t} + \epsilon},\quad
+            r_t = \sqrt{\frac{(\rho_t-4)(\rho_t-2)\rho_\infty}{(\rho_\infty-4)(\rho_\infty-2)\rho_t}}
+            & \rho_t > \text{threshold} \\
+            \hat m_t & \text{otherwise}\end{cases}
+
+    The branch is a ``torch.where`` on the step count, so the transform runs under vmap and compile.
+
+    Args:
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added to the denominator.
+        threshold: the :math:`\rho_t` above which the adaptive step is used (5 in torch.optim and the paper).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.scale_by_radam()
+        >>> tx.update([torch.tensor([3.0])], tx.init([torch.zeros(1)]))[0]
+        [tensor([3.])]
+
+    References:
+        Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", 2020.
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_non_negative("eps", eps)
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def init(params: PyTree) -> ScaleByRadamState:
+        return ScaleByRadamState(zero_count(), _zeros(params), _zeros(params))
+
+    def update(
+        updates: PyTree, state: ScaleByRadamState, params: PyTree | None = None, **_: Any
+    ) -> tuple[PyTree, ScaleByRadamState]:
+        grads, mus, spec = check_leaves(updates, state.mu, like_what="the RAdam state (params)")
+        nus = spec.flatten_up_to(state.nu)
+        count = safe_increment(state.count)
+        step = count.to(torch.float64)
+        bc1 = bias_correction(b1, count)
+        bc2 = bias_correction(b2, count)
+        rho_t = rho_inf - 2.0 * step * torch.pow(b2, step) / bc2
+        rectify = rho_t > threshold
+        ratio = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        rect = torch.sqrt(ratio.clamp(min=0.0))  # only read where rho_t > threshold, where the ratio is positive
+        bc2_sqrt = bc2.sqrt()
+
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            g = g.to(mu.dtype)
+            mu_new = mu.lerp(g, 1 - b1)
+            nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
+            mu_hat = mu_new / bc1
+            adaptive = bc2_sqrt / (nu_new.sqrt() + eps)
+            condition = rectify if rectify.device == mu_hat.device else rectify.to(mu_hat.device, non_blocking=True)
+            return torch.where(condition, mu_hat * adaptive * rect, mu_hat), mu_new, nu_new
+
+        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
+        return spec.unflatten(new_updates), ScaleByRadamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
+
+    return GradientTransformation(init, update)
+
+
+class ScaleByAdamaxState(NamedTuple):
+    count: torch.Tensor  # 0-d int32: steps taken
+    mu: PyTree  # first moment
+    nu: PyTree  # exponentially weighted infinity norm (torch.optim.Adamax's ``exp_inf``)
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    r"""Rescales updates by Adamax's infinity-norm estimate, as ``torch.optim.Adamax``.
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t,\quad u^\infty_t = \max(\beta_2 u^\infty_{t-1}, |g_t| + \epsilon),\quad
+        u_t = \frac{m_t}{(1-\beta_1^t)\, u^\infty_t}
+
+    Args:
+        b1: decay of the first moment.
+        b2: decay of the infinity norm.
+        eps: added to :math:`|g_t|` (inside the maximum, as torch.optim does).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.scale_by_adamax()
+        >>> tx.update([torch.tensor([-4.0])], tx.init([torch.zeros(1)]))[0]
+        [tensor([-1.])]
+
+    References:
+        Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015, section 7.1.
+    """
+    check_unit_interval("b1", b1)
+    check_unit_interval("b2", b2)
+    check_non_negative("eps", eps)
+
+    def init(params: PyTree) -> ScaleByAdamaxState:
+        return ScaleByAdamaxState(zero_count(), _zeros(params), _zeros(params))
+
+    def update(
+        updates: PyTree, state: ScaleByAdamaxState, params: PyTree | None = None, **_: Any
+    ) -> tuple[PyTree, ScaleByAdamaxState]:
+        grads, mus, spec = check_leaves(updates, state.mu, like_what="the Adamax state (params)")
+        nus = spec.flatten_up_to(state.nu)
+        count = safe_increment(state.count)
+        bc1 = bias_correction(b1, count)
+
+        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            g = g.to(mu.dtype)
+            mu_new = mu.lerp(g, 1 - b1)
+            nu_new = torch.maximum(nu * b2, g.abs() + eps)
+            return mu_new / nu_new / bc1, mu_new, nu_new
+
+        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
+        return spec.unflatten(new_updates), ScaleByAdamaxState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,141 @@
+"""Adafactor's factored second moment: ``scale_by_factored_rms``."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fadam._base import GradientTransformation
+from fadam._numerics import safe_increment, zero_count
+from fadam._tree import PyTree, check_leaves, tree_map
+from fadam.transforms._validation import check_non_negative
+
+
+class FactoredState(NamedTuple):
+    count: torch.Tensor  # 0-d int32: steps taken
+    v_row: PyTree  # row statistics of factored leaves (a 1-element placeholder for the others)
+    v_col: PyTree  # column statistics of factored leaves (placeholder for the others)
+    v: PyTree  # full second moment of leaves that are not factored (placeholder for factored ones)
+
+
+def _factored_dims(shape: torch.Size, factored: bool, min_dim_size_to_factor: int) -> tuple[int, int] | None:
+    """The two largest dims ``(second, largest)`` to factor over, or ``None`` (optax's rule; ties keep dim order)."""
+    if not factored or len(shape) < 2:
+        return None
+    order = sorted(range(len(shape)), key=lambda d: shape[d])
+    if shape[order[-2]] < min_dim_size_to_factor:
+        return None
+    return order[-2], order[-1]
+
+
+def _real_dtype(p: torch.Tensor) -> torch.dtype:
+    return p.real.dtype if p.is_complex() else p.dtype
+
+
+def scale_by_factored_rms(
+    factored: bool = True,
+    decay_rate: float = 0.8,
+    step_offset: int = 0,
+    min_dim_size_to_factor: int = 128,
+    epsilon: float = 1e-30,
+) -> GradientTransformation:
+    r"""Divides updates by a factored estimate of their root mean square (Adafactor).
+
+    With :math:`\hat\beta_{2,t} = 1 - t^{-c}` (``decay_rate`` :math:`c`, :math:`t` counted from 1) and
+    :math:`G_t = g_t^2 + \epsilon_1`, a leaf with two dims of at least ``min_dim_size_to_factor`` keeps row and column
+    statistics over its two largest dims :math:`(i, j)`:
+
+    .. math::
+        R_t = \hat\beta_{2,t} R_{t-1} + (1-\hat\beta_{2,t}) \operatorname{mean}_j G_t,\quad
+        C_t = \hat\beta_{2,t} C_{t-1} + (1-\hat\beta_{2,t}) \operatorname{mean}_i G_t,\quad
+        u_t = g_t \Big/ \sqrt{\frac{R_t C_t}{\operatorname{mean}_i R_t}}
+
+    and any other leaf the full :math:`V_t = \hat\beta_{2,t} V_{t-1} + (1-\hat\beta_{2,t}) G_t`,
+    :math:`u_t = g_t/\sqrt{V_t}`. Complex leaves use :math:`|g|^2` and keep real statistics.
+
+    Args:
+        factored: factor the second moment of matrices (else keep it in full).
+        decay_rate: the exponent :math:`c` of the decay schedule.
+        step_offset: subtracted from the step count in the schedule (fine-tuning restarts).
+        min_dim_size_to_factor: factor only if the second-largest dim has at least this size.
+        epsilon: :math:`\epsilon_1`, added to the squared gradient.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.scale_by_factored_rms(min_dim_size_to_factor=2)
+        >>> params = {"w": torch.zeros(2, 3)}
+        >>> state = tx.init(params)
+        >>> tuple(state.v_row["w"].shape), tuple(state.v_col["w"].shape)
+        ((2,), (3,))
+        >>> u, state = tx.update({"w": torch.full((2, 3), 5.0)}, state, params)
+        >>> u["w"]
+        tensor([[1., 1., 1.],
+                [1., 1., 1.]])
+
+    References:
+        Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", 2018 (Algorithm 4).
+    """
+    check_non_negative("decay_rate", decay_rate)
+    check_non_negative("epsilon", epsilon)
+
+    def init(params: PyTree) -> FactoredState:
+        def leaf(p: torch.Tensor | None, part: str) -> torch.Tensor | None:
+            if p is None:
+                return None
+            dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
+            dtype = _real_dtype(p)
+            if dims is None:
+                shape = p.shape if part == "v" else (1,)
+            else:
+                second, largest = dims
+                drop = {"v_row": largest, "v_col": second}.get(part)
+                shape = (1,) if drop is None else tuple(n for d, n in enumerate(p.shape) if d != drop)
+            return torch.zeros(shape, dtype=dtype, device=p.device)
+
+        return FactoredState(
+            zero_count(), *(tree_map(lambda p, part=part: leaf(p, part), params) for part in ("v_row", "v_col", "v"))
+        )
+
+    def update(
+        updates: PyTree, state: FactoredState, params: PyTree | None = None, **_: Any
+    ) -> tuple[PyTree, FactoredState]:
+        if params is None:
+            raise ValueError("scale_by_factored_rms needs params: call update(updates, state, params)")
+        grads, _, spec = check_leaves(updates, params)
+        v_rows, v_cols, vs = (spec.flatten_up_to(x) for x in (state.v_row, state.v_col, state.v))
+        t = (state.count - step_offset).to(torch.float64) + 1.0
+        beta = 1.0 - torch.pow(t, -decay_rate)  # a 0-d CPU tensor: mixes with leaves on any device
+        new_updates, new_rows, new_cols, new_vs = [], [], [], []
+        for g, v_row, v_col, v in zip(grads, v_rows, v_cols, vs):
+            if g is None:
+                new_updates.append(None)
+                new_rows.append(v_row)
+                new_cols.append(v_col)
+                new_vs.append(v)
+                continue
+            grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype) + epsilon
+            dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
+            if dims is None:
+                decay = beta.to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
+                v = decay * v + (1 - decay) * grad_sqr
+                u = g * torch.rsqrt(v).to(g.real.dtype if g.is_complex() else g.dtype)
+            else:
+                second, largest = dims
+                decay = beta.to(v_row.dtype)
+                v_row = decay * v_row + (1 - decay) * grad_sqr.mean(dim=largest)
+                v_col = decay * v_col + (1 - decay) * grad_sqr.mean(dim=second)
+                row_dim = second - 1 if second > largest else second  # ``second`` in v_row, whose ``largest`` is gone
+                row_factor = torch.rsqrt(v_row / v_row.mean(dim=row_dim, keepdim=True))
+                col_factor = torch.rsqrt(v_col)
+                scale = row_factor.unsqueeze(largest) * col_factor.unsqueeze(second)
+                u = g * scale.to(g.real.dtype if g.is_complex() else g.dtype)
+            new_updates.append(u)
+            new_rows.append(v_row)
+            new_cols.append(v_col)
+            new_vs.append(v)
+        return spec.unflatten(new_updates), FactoredState(
+            safe_increment(state.count), *(spec.unflatten(x) for x in (new_rows, new_cols, new_vs))
+        )
+
+    return GradientTransformation(init, update)
