@@ -28,9 +28,12 @@ from fadam._tree import (
 from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.quantization import QuantizedArray, QuantizedState, quantize_state
+from fadam.quantization._aliases import adam4bit, adam8bit, adamw4bit, adamw8bit, lion8bit, sgd8bit
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
 from fadam.transforms._clipping import clip, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
+from fadam.transforms._lion import ScaleByLionState, scale_by_lion
 from fadam.transforms._momentum import TraceState, trace
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
 
@@ -46,14 +49,21 @@ __all__ = [
     "MaskedNode",
     "MaskedState",
     "PartitionState",
+    "QuantizedArray",
+    "QuantizedState",
     "ScalarOrSchedule",
     "ScaleByAdamState",
     "ScaleByAmsgradState",
+    "ScaleByLionState",
     "ScaleByScheduleState",
     "Schedule",
     "TraceState",
     "adam",
+    "adam4bit",
+    "adam8bit",
     "adamw",
+    "adamw4bit",
+    "adamw8bit",
     "add_decayed_weights",
     "add_decoupled_weight_decay",
     "apply_updates",
@@ -62,15 +72,19 @@ __all__ = [
     "clip_by_global_norm",
     "global_norm",
     "identity",
+    "lion8bit",
     "masked",
     "named_chain",
     "partition",
+    "quantize_state",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_lion",
     "scale_by_schedule",
     "set_to_zero",
     "sgd",
+    "sgd8bit",
     "stateless",
     "stateless_with_tree_map",
     "step",

@@ -1,0 +1,139 @@
+"""Quantization maps: the sorted code values a block's normalised entries ``x / absmax`` are rounded to.
+
+Every map is a sorted 1-D float32 tensor with at most 256 entries; a code is an index into it. The maps (Dettmers et
+al., 2022; Li et al., 2023):
+
+- ``dynamic_map(signed, bits)``: dynamic exponent. Magnitudes are a union of linear grids, one per decade: decade
+  ``d`` (scale ``10**(d - decades + 1)``) holds ``2**(d + extra)`` evenly spaced points of ``(0.1, 1] * scale``, so the
+  top decade ends at exactly 1.0 and large magnitudes get fine steps while small ones keep their order of magnitude.
+  With a sign bit (``signed``) the grids are mirrored around 0; without one each decade has twice the points
+  (``extra = 1``), so a non-negative moment gets twice the resolution. 8-bit: 7 decades, 255 (signed) or 256
+  (unsigned, one extra point at 1e-7) codes; 4-bit signed: 3 decades, 15 codes.
+- ``linear_nonzero_map(bits)``: ``(i + 1) / 2**bits`` — 4-bit second moments. It has no zero code: rounding a small
+  ``v`` to 0 makes ``m / (sqrt(v) + eps)`` explode (Li et al., 2023, section 4.1).
+
+Encoding rounds to the nearest code. ``encode_tables`` precomputes, for every bfloat16 bit pattern (the top 16 bits
+of a float32), the nearest code of the smallest float32 with those top bits; since no map has two midpoints inside
+one such interval (checked when the tables are built), ``code = table[top16(y)] + (y > midpoint[table[...]])`` is
+the exact nearest code with two table reads and no search, which vectorises and compiles well.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "MAP_IDS",
+    "code_maps",
+    "dynamic_map",
+    "encode_tables",
+    "linear_nonzero_map",
+]
+
+
+def dynamic_map(signed: bool, bits: int = 8) -> torch.Tensor:
+    """Dynamic-exponent map: 255/256 codes for 8 bits (signed/unsigned), 15 for 4-bit signed.
+
+    Example:
+        >>> from fadam.quantization._maps import dynamic_map
+        >>> m = dynamic_map(signed=True, bits=4)
+        >>> m.numel(), m.min().item(), m.max().item(), bool((m == 0).any())
+        (15, -1.0, 1.0, True)
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"dynamic_map supports 4 or 8 bits, got {bits}")
+    decades = 7 if bits == 8 else 3
+    extra = 0 if signed else 1
+    magnitudes = []
+    for d in range(decades):
+        count = 2 ** (d + extra)
+        scale = 10.0 ** (d - decades + 1)
+        grid = torch.linspace(0.1, 1.0, count + 1, dtype=torch.float64)[1:]
+        magnitudes.append(grid * scale)
+    if not signed and bits == 8:
+        magnitudes.insert(0, torch.tensor([10.0**-decades], dtype=torch.float64))  # the 256th code extends the range
+    mags = torch.cat(magnitudes)
+    values = (
+        torch.cat([-mags.flip(0), torch.zeros(1, dtype=torch.float64), mags])
+        if signed
+        else torch.cat([torch.zeros(1, dtype=torch.float64), mags])
+    )
+    return values.to(torch.float32)
+
+
+def linear_nonzero_map(bits: int = 4) -> torch.Tensor:
+    """``(i + 1) / 2**bits`` for ``i < 2**bits``: non-negative values with no zero code (4-bit second moments).
+
+    Example:
+        >>> from fadam.quantization._maps import linear_nonzero_map
+        >>> linear_nonzero_map(4)[:3]
+        tensor([0.0625, 0.1250, 0.1875])
+    """
+    levels = 2**bits
+    return (torch.arange(1, levels + 1, dtype=torch.float64) / levels).to(torch.float32)
+
+
+# Map ids stored in the state (a 0-d uint8 per quantized leaf): which map decodes its codes.
+MAP_IDS = {"dynamic8_signed": 0, "dynamic8_unsigned": 1, "dynamic4_signed": 2, "linear4_nonzero": 3}
+_SIZE = 256  # codes per map slot; shorter maps are padded with their last value (those codes are never produced)
+
+
+@functools.cache
+def _cpu_maps() -> torch.Tensor:
+    maps = [
+        dynamic_map(True, 8),
+        dynamic_map(False, 8),
+        dynamic_map(True, 4),
+        linear_nonzero_map(4),
+    ]
+    return torch.stack([torch.cat([m, m[-1:].expand(_SIZE - m.numel())]) for m in maps])
+
+
+def code_maps(device: torch.device | str = "cpu") -> torch.Tensor:
+    """All maps as one ``(4, 256)`` float32 tensor, row ``MAP_IDS[name]``."""
+    return _on_device(_cpu_maps, torch.device(device))
+
+
+@functools.cache
+def _cpu_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    maps = _cpu_maps()
+    patterns = torch.arange(_SIZE * _SIZE, dtype=torch.int64)
+    negative = patterns >= 0x8000
+    # float32 bit patterns whose top 16 bits are `pattern`: [low, high] as integers; the smallest value is `low` for
+    # a positive pattern and `high` for a negative one (float order is reversed there).
+    low_bits = (patterns << 16).to(torch.int64)
+    high_bits = low_bits | 0xFFFF
+    as_float = lambda b: (b - (1 << 32) * (b >= 1 << 31)).to(torch.int32).view(torch.float32)  # noqa: E731
+    smallest = torch.where(negative, as_float(high_bits), as_float(low_bits))
+    largest = torch.where(negative, as_float(low_bits), as_float(high_bits))
+    finite = torch.isfinite(smallest) & torch.isfinite(largest)
+    tables, thresholds = [], []
+    for row, length in zip(maps, (255, 256, 15, 16)):
+        values = row[:length]
+        mids = (values[:-1] + values[1:]) / 2
+        lo = torch.bucketize(smallest.clamp(-1, 1), mids)
+        hi = torch.bucketize(largest.clamp(-1, 1), mids)
+        if bool(((hi - lo) > 1)[finite].any()):
+            raise AssertionError("a map has two midpoints inside one bfloat16 interval; the table encoder is invalid")
+        tables.append(torch.where(finite, lo, 0).to(torch.uint8))
+        thresholds.append(torch.cat([mids, torch.full((_SIZE - mids.numel(),), float("inf"))]))
+    return torch.stack(tables), torch.stack(thresholds)
+
+
+def encode_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tables, thresholds)``: ``(4, 65536)`` uint8 first guesses and ``(4, 256)`` float32 upper midpoints."""
+    return _on_device(_cpu_tables, torch.device(device))
+
+
+_device_cache: dict[tuple[str, torch.device], object] = {}
+
+
+def _on_device(build, device: torch.device):
+    # Constants built once on the CPU and copied once per device (not state: the same for every optimizer).
+    key = (build.__name__, device)
+    if key not in _device_cache:
+        value = build()
+        _device_cache[key] = tuple(v.to(device) for v in value) if isinstance(value, tuple) else value.to(device)
+    return _device_cache[key]
