@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from fadam.quantization._codec import encode
-from fadam.quantization._maps import MAP_IDS, code_maps, dynamic_map, encode_tables, linear_nonzero_map
+from fadam.quantization import dynamic_map, linear_nonzero_map
+from fadam.quantization._maps import MAP_IDS, code_maps, decode, encode
 
 LENGTHS = {"dynamic8_signed": 255, "dynamic8_unsigned": 256, "dynamic4_signed": 15, "linear4_nonzero": 16}
 
@@ -15,9 +15,13 @@ def test_dynamic_maps_shape_and_range():
         assert m.max().item() == 1.0 and bool((m == 0).any())
     assert torch.equal(signed, -signed.flip(0))  # symmetric
     assert unsigned.min().item() == 0.0 and unsigned[1].item() == pytest.approx(1e-7)
-    # unsigned has twice the points of the signed map in its top decade
-    assert int(((unsigned > 0.1) & (unsigned <= 1)).sum()) == 2 * int(((signed > 0.1) & (signed <= 1)).sum())
+    # the unsigned map has twice the points of the signed map in each decade
+    top = lambda m: int(((m > 0.1) & (m <= 1)).sum())  # noqa: E731
+    assert top(unsigned) == 2 * top(signed) == 128
     assert signed[signed > 0].min().item() == pytest.approx(1e-6)
+    # every decade's top is its power of ten
+    for k in range(7):
+        assert bool((signed == torch.tensor(10.0**-k)).any())
 
 
 def test_linear_nonzero_map_has_no_zero():
@@ -25,30 +29,36 @@ def test_linear_nonzero_map_has_no_zero():
     assert m.numel() == 16 and m.min().item() == 1 / 16 and m.max().item() == 1.0
 
 
-def _nearest_by_search(y, name):
-    values = code_maps()[MAP_IDS[name], : LENGTHS[name]]
-    return torch.bucketize(y, (values[:-1] + values[1:]) / 2)
-
-
 @pytest.mark.parametrize("name", list(MAP_IDS))
-def test_table_encoder_is_exact_nearest(name):
+def test_encode_is_nearest_code_and_decode_inverts_it(name):
     torch.manual_seed(0)
-    values = code_maps()[MAP_IDS[name], : LENGTHS[name]]
+    map_id = MAP_IDS[name]
+    values = code_maps()[map_id, : LENGTHS[name]]
     mids = (values[:-1] + values[1:]) / 2
     lo = -1.0 if "signed" in name and "unsigned" not in name else 0.0
-    samples = [
-        torch.rand(20000) * (1 - lo) + lo,
-        torch.sign(torch.randn(20000)) * 10 ** (-9 * torch.rand(20000)),  # every decade
-        mids,
-        torch.nextafter(mids, torch.tensor(2.0)),
-        torch.nextafter(mids, torch.tensor(-2.0)),
-        values,
-        torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30]),
-    ]
-    y = torch.cat(samples).clamp(lo, 1.0)
-    codes = encode(y, torch.tensor(MAP_IDS[name], dtype=torch.uint8))
-    assert torch.equal(codes, _nearest_by_search(y, name))
+    y = torch.cat(
+        [
+            torch.rand(20000) * (1 - lo) + lo,
+            torch.sign(torch.randn(20000)) * 10 ** (-9 * torch.rand(20000)),  # every decade
+            torch.nextafter(mids, torch.tensor(2.0)),
+            torch.nextafter(mids, torch.tensor(-2.0)),
+            values,
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30]),
+        ]
+    ).clamp(lo, 1.0)
+    codes = encode(y, map_id)
+    nearest = torch.bucketize(y, mids)
+    off = codes.long() != nearest
+    # only values within float rounding of a midpoint may take the other neighbour, never a farther code
+    gap = (y[off, None] - mids[None]).abs().amin(dim=1)
+    assert bool((gap <= 1e-6 * y[off].abs() + 1e-12).all())
+    assert bool(((codes.long() - nearest).abs() <= 1).all())
+    assert torch.equal(encode(values, map_id).long(), torch.arange(values.numel()))  # codes round-trip exactly
+    assert torch.equal(decode(torch.arange(values.numel()), map_id), values)
 
 
-def test_tables_are_cached_per_device():
-    assert encode_tables("cpu")[0] is encode_tables(torch.device("cpu"))[0]
+def test_bad_maps():
+    with pytest.raises(ValueError):
+        dynamic_map(False, 4)
+    with pytest.raises(ValueError):
+        linear_nonzero_map(8)

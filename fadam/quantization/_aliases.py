@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from fadam._base import GradientTransformation, ScalarOrSchedule
+from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
 from fadam.aliases import _check_adam_args, _check_lr, _has_decay
 from fadam.combinators._chain import chain
-from fadam.quantization._wrapper import quantize_state
+from fadam.quantization._fused import fused_quantized_adam_step
+from fadam.quantization._wrapper import DEFAULT_BLOCK_SIZE, quantize_state
 from fadam.transforms._adam import scale_by_adam
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._lion import scale_by_lion
@@ -37,12 +38,27 @@ def _quantized_adam(
         head.append(add_decayed_weights(weight_decay))
     tail = [add_decoupled_weight_decay(lr, weight_decay)] if _has_decay(weight_decay) and decoupled else []
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad)
-    return chain(
+    tx = chain(
         *head,
         quantize_state(adam_tx, bits=bits, block_size=block_size, min_size=min_size),
         scale_by_learning_rate(lr),
         *tail,
     )
+    if amsgrad:
+        return tx
+    fused = fused_quantized_adam_step(
+        adam_index=len(head),
+        lr=lr,
+        b1=betas[0],
+        b2=betas[1],
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        maximize=maximize,
+        bits=bits,
+        block_size=DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size,
+    )
+    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
 
 
 def adam8bit(

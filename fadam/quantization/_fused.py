@@ -1,0 +1,215 @@
+"""The fused step of the quantized Adam aliases: dequantize, update and requantize each param in one pass.
+
+``fadam.step(adam8bit(...), params, grads, state, donate=True)`` runs this instead of the chain. Each quantized leaf is
+viewed as ``(blocks, block_size)`` rows; one ``torch.compile``-d function reads a row's codes and gradient, computes
+the new moments and param, takes the row's new absmax and writes the new codes, so every byte of state is read and
+written once (a ragged last block runs the same math eagerly). The row count is a dynamic dimension and the learning
+rate and bias corrections are 0-d tensors: one compilation per (dtype, bits, block size, hyperparameters) serves every
+param shape and step. The math and its order are ``quantize_state(scale_by_adam)`` followed by the learning rate and
+weight decay, as the chain computes them; m always takes the signed map and v the non-negative one (v >= 0 by
+construction), where the general path picks them from the values (it may choose the non-negative map for an m that
+happens to have no negative entry; either decodes). Small leaves (full-precision state) use torch's fused kernel.
+Anything else (vmap, autograd, AMSGrad, Nesterov, non-contiguous params, tensor hyperparameters) takes the chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fadam._base import FusedStep, ScalarOrSchedule
+from fadam._dispatch import FUSED_DEVICE_TYPES, is_plain
+from fadam._fused import _advance, _learning_rate
+from fadam._numerics import bias_correction, safe_increment
+from fadam._tree import PyTree, check_leaves
+from fadam.quantization._codec import (
+    QuantizedArray,
+    decode_rows,
+    dequantize_blockwise,
+    encode_rows,
+    expected_sizes,
+    map_pair,
+    quantize_blockwise,
+)
+from fadam.quantization._wrapper import QuantizedState
+from fadam.transforms._adam import ScaleByAdamState
+
+
+def _adam_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    scalars: torch.Tensor,
+    config: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New (param, m, v) in the chain's order of operations. ``scalars`` = [lr, bc1, bc2_sqrt, decay factor]."""
+    b1, b2, eps, weight_decay, decoupled, maximize = config
+    lr, bc1, bc2_sqrt, factor = scalars[0], scalars[1], scalars[2], scalars[3]
+    if maximize:
+        g = -g
+    if weight_decay and not decoupled:
+        g = torch.add(g, p.to(g.dtype), alpha=weight_decay)
+    g32 = g.to(torch.float32)
+    m = m.lerp(g32, 1 - b1)
+    v = torch.addcmul(v * b2, g32, g32, value=1 - b2)
+    u = ((m / bc1) / (v.sqrt() / bc2_sqrt + eps)).to(g.dtype) * -lr
+    if weight_decay and decoupled:
+        u = u - (p - p * factor.to(p.dtype)).to(u.dtype)
+    return p + u.to(p.dtype), m, v
+
+
+def _rows_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    scalars: torch.Tensor,
+    config: tuple,
+    bits: int,
+) -> tuple[torch.Tensor, ...]:
+    signed, unsigned = map_pair(bits)
+    m = decode_rows(m_codes, m_absmax, bits, signed)
+    v = decode_rows(v_codes, v_absmax, bits, unsigned)
+    p_new, m, v = _adam_math(p, g, m, v, scalars, config)
+    return (p_new, *encode_rows(m, bits, signed), *encode_rows(v, bits, unsigned))
+
+
+def _rows_step_inplace(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    scalars: torch.Tensor,
+    config: tuple,
+    bits: int,
+) -> None:
+    new = _rows_step(p, g, m_codes, m_absmax, v_codes, v_absmax, scalars, config, bits)
+    for target, value in zip((p, m_codes, m_absmax, v_codes, v_absmax), new):
+        target.copy_(value)
+
+
+_compiled: dict[bool, Callable[..., Any]] = {}
+
+
+def _kernel(inplace: bool) -> Callable[..., Any]:
+    # One compiled function per mode; hyperparameters reach it as constants (a change recompiles), the lr and bias
+    # corrections as a tensor (a change does not), and the row count as a dynamic size.
+    if inplace not in _compiled:
+        fn = _rows_step_inplace if inplace else _rows_step
+        _compiled[inplace] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _compiled[inplace]
+
+
+def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = t.view(-1)
+    return flat[: rows * width].view(rows, width), flat[rows * width :].view(1, -1)
+
+
+def fused_quantized_adam_step(
+    *,
+    adam_index: int,
+    lr: ScalarOrSchedule,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float | torch.Tensor,
+    decoupled: bool,
+    maximize: bool,
+    bits: int,
+    block_size: int,
+    compile: bool = True,
+) -> FusedStep:
+    config = (b1, b2, eps, weight_decay, decoupled, maximize)
+
+    def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
+        if isinstance(weight_decay, torch.Tensor):
+            return None
+        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        wrapper_state = state[adam_index]
+        adam_state = wrapper_state.inner_state
+        mus = spec.flatten_up_to(adam_state.mu)
+        nus = spec.flatten_up_to(adam_state.nu)
+        tensors = [*param_leaves, *grad_leaves]
+        for m, v, p in zip(mus, nus, param_leaves):
+            if isinstance(m, QuantizedArray) != isinstance(v, QuantizedArray):
+                return None
+            if isinstance(m, QuantizedArray):
+                tensors += [*m, *v]
+                if not p.is_contiguous() or p.is_complex():
+                    return None
+                if (m.codes.shape[-1], m.absmax.shape[-1]) != expected_sizes(p.numel(), bits, block_size):
+                    return None  # the chain raises the error that names the leaf
+            else:
+                tensors += [m, v]
+        if not all(t is not None and is_plain(t) and t.device.type in FUSED_DEVICE_TYPES for t in tensors) or any(
+            p.dtype != g.dtype or not p.is_floating_point() for p, g in zip(param_leaves, grad_leaves)
+        ):
+            return None
+        lr_value = _learning_rate(lr, state[adam_index + 1])
+        if lr_value is None:
+            return None
+        count = safe_increment(adam_state.count)
+        bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
+        factor = 1 - lr_value * weight_decay  # the decoupled decay factor, as add_decoupled_weight_decay computes it
+        scalars64 = torch.stack(
+            [torch.as_tensor(x, dtype=torch.float64).reshape(()) for x in (lr_value, bc1, bc2.sqrt(), factor)]
+        )
+        new_params, new_mus, new_nus = [], [], []
+        with torch.no_grad():
+            for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
+                if not isinstance(m, QuantizedArray):
+                    p_new, m_new, v_new = _adam_math(p, g, m, v, scalars64.to(torch.float32), config)
+                    if donate:
+                        p.copy_(p_new), m.copy_(m_new), v.copy_(v_new)
+                        p_new, m_new, v_new = p, m, v
+                else:
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, scalars64, donate)
+                new_params.append(p_new)
+                new_mus.append(m_new)
+                new_nus.append(v_new)
+        new_adam = ScaleByAdamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
+        new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
+        return spec.unflatten(new_params), new_state
+
+    def _quantized_leaf(p, g, m, v, scalars64, donate):
+        device = p.device
+        scalars = scalars64.to(device=device, dtype=torch.float32)
+        signed, unsigned = map_pair(bits)
+        if not donate:
+            p, m, v = p.clone(), QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
+        rows = p.numel() // block_size
+        width = block_size if bits == 8 else block_size // 2
+        if rows:
+            p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g.contiguous(), rows, block_size)[0]
+            m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
+            args = (p_rows, g_rows, m_rows, m.absmax[:rows], v_rows, v.absmax[:rows], scalars)
+            run = _kernel(True) if compile else _rows_step_inplace
+            if compile:
+                for t in args[:6]:
+                    torch._dynamo.mark_dynamic(t, 0)
+            run(*args, config, bits)
+        tail = p.numel() - rows * block_size
+        m = m._replace(map_id=torch.tensor(signed, dtype=torch.uint8, device=m.map_id.device))
+        v = v._replace(map_id=torch.tensor(unsigned, dtype=torch.uint8, device=v.map_id.device))
+        if tail:  # the ragged last block, eagerly, with the same math and the codec's padding
+            p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
+            m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
+            shape = (tail,)
+            m_full = dequantize_blockwise(m_tail, shape, bits, block_size)
+            v_full = dequantize_blockwise(v_tail, shape, bits, block_size)
+            p_new, m_full, v_full = _adam_math(p_tail, g_tail, m_full, v_full, scalars, config)
+            p_tail.copy_(p_new)
+            for old, full in ((m_tail, m_full), (v_tail, v_full)):
+                new = quantize_blockwise(full, bits, block_size, map_id=old.map_id)
+                old.codes.copy_(new.codes)
+                old.absmax.copy_(new.absmax)
+        return p, m, v
+
+    return fused_step
