@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fadam.quantization._maps import MAP_IDS, decode, encode
+from fadam.quantization._maps import MAP_IDS, Tables, decode, encode
 
 __all__ = ["QuantizedArray", "dequantize_blockwise", "quantize_blockwise"]
 
@@ -49,34 +49,29 @@ def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.reshape(padded // block_size, block_size)
 
 
-def encode_rows(rows: torch.Tensor, bits: int, map_id: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_rows(
+    rows: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes each row of a float32 ``(blocks, block_size)`` tensor as one block: ``(codes, absmax)``, codes
     shaped ``(blocks, block_size)`` at 8 bits and ``(blocks, block_size // 2)`` at 4 bits. ``map_id`` is a static int
-    (the fused kernels) or a 0-d tensor (both maps are computed and one selected, without a host sync)."""
+    (the fused kernels) or a 0-d tensor read on device."""
     absmax = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=-1)
     scale = torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
     y = torch.nan_to_num(rows / scale, nan=0.0, posinf=1.0, neginf=-1.0).clamp(-1.0, 1.0)
-    if isinstance(map_id, int):
-        codes = encode(y, map_id)
-    else:
-        signed, unsigned = map_pair(bits)
-        codes = torch.where(map_id == signed, encode(y, signed), encode(y, unsigned))
+    codes = encode(y, map_id, tables)
     if bits == 4:
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return codes.to(torch.uint8), absmax
 
 
-def decode_rows(codes: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor) -> torch.Tensor:
+def decode_rows(
+    codes: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
+) -> torch.Tensor:
     """Inverse of ``encode_rows``."""
-    codes = codes.to(torch.int32)
+    codes = codes.to(torch.int64)
     if bits == 4:
         codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
-    if isinstance(map_id, int):
-        values = decode(codes, map_id)
-    else:
-        signed, unsigned = map_pair(bits)
-        values = torch.where(map_id == signed, decode(codes, signed), decode(codes, unsigned))
-    return values * absmax.unsqueeze(-1)
+    return decode(codes, map_id, tables) * absmax.unsqueeze(-1)
 
 
 def quantize_blockwise(
@@ -94,7 +89,7 @@ def quantize_blockwise(
         >>> q.codes.dtype, q.absmax.tolist()
         (torch.uint8, [1.0, 0.25])
         >>> dequantize_blockwise(q, x.shape, bits=8, block_size=2)
-        tensor([ 0.4937, -1.0000,  0.2500,  0.0000])
+        tensor([ 0.4938, -1.0000,  0.2500,  0.0000])
     """
     signed, unsigned = map_pair(bits)
     n = x.numel()

@@ -33,6 +33,7 @@ from fadam.quantization._codec import (
     map_pair,
     quantize_blockwise,
 )
+from fadam.quantization._maps import Tables, tables_on
 from fadam.quantization._wrapper import QuantizedState
 from fadam.transforms._adam import ScaleByAdamState
 
@@ -69,14 +70,15 @@ def _rows_step(
     v_codes: torch.Tensor,
     v_absmax: torch.Tensor,
     scalars: torch.Tensor,
+    tables: Tables,
     config: tuple,
     bits: int,
 ) -> tuple[torch.Tensor, ...]:
     signed, unsigned = map_pair(bits)
-    m = decode_rows(m_codes, m_absmax, bits, signed)
-    v = decode_rows(v_codes, v_absmax, bits, unsigned)
+    m = decode_rows(m_codes, m_absmax, bits, signed, tables)
+    v = decode_rows(v_codes, v_absmax, bits, unsigned, tables)
     p_new, m, v = _adam_math(p, g, m, v, scalars, config)
-    return (p_new, *encode_rows(m, bits, signed), *encode_rows(v, bits, unsigned))
+    return (p_new, *encode_rows(m, bits, signed, tables), *encode_rows(v, bits, unsigned, tables))
 
 
 def _rows_step_inplace(
@@ -87,10 +89,11 @@ def _rows_step_inplace(
     v_codes: torch.Tensor,
     v_absmax: torch.Tensor,
     scalars: torch.Tensor,
+    tables: Tables,
     config: tuple,
     bits: int,
 ) -> None:
-    new = _rows_step(p, g, m_codes, m_absmax, v_codes, v_absmax, scalars, config, bits)
+    new = _rows_step(p, g, m_codes, m_absmax, v_codes, v_absmax, scalars, tables, config, bits)
     for target, value in zip((p, m_codes, m_absmax, v_codes, v_absmax), new):
         target.copy_(value)
 
@@ -194,7 +197,7 @@ def fused_quantized_adam_step(
             if compile:
                 for t in args[:6]:
                     torch._dynamo.mark_dynamic(t, 0)
-            run(*args, config, bits)
+            run(*args, tables_on(device), config, bits)
         tail = p.numel() - rows * block_size
         m = m._replace(map_id=torch.tensor(signed, dtype=torch.uint8, device=m.map_id.device))
         v = v._replace(map_id=torch.tensor(unsigned, dtype=torch.uint8, device=v.map_id.device))

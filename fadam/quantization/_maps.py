@@ -1,19 +1,21 @@
-"""Quantization maps: the code values a block's normalised entries ``x / absmax`` are rounded to, and the arithmetic
-that encodes and decodes them.
+"""Quantization maps: the sorted code values a block's normalised entries ``x / absmax`` are rounded to.
 
-Every map is sorted; a code is an index into it. The maps (Dettmers et al., 2022; Li et al., 2023):
+Every map is a sorted 1-D float32 tensor with at most 256 entries; a code is an index into it. The maps (Dettmers et
+al., 2022; Li et al., 2023):
 
-- dynamic exponent, ``decades`` D: zero, then decades ``d = 0 .. D-1`` of ``2**d`` evenly spaced points of
-  ``(0.1, 1] * 10**(d - D + 1)`` each, so large magnitudes get fine steps while small ones keep their order of
-  magnitude, and the top decade ends at exactly 1.0 (a block's absmax is stored exactly). Signed maps mirror the
-  magnitudes around zero. 8-bit signed: D = 7, 255 codes (smallest magnitude 1e-6); 8-bit unsigned: D = 8, 256 codes
-  (twice the resolution per decade and one more decade, down to 1e-7); 4-bit signed: D = 3, 15 codes.
-- linear without zero: ``(i + 1) / 16`` for 4-bit second moments. Rounding a small ``v`` to 0 makes
-  ``m / (sqrt(v) + eps)`` explode (Li et al., 2023, section 4.1), so this map has no zero code.
+- ``dynamic_map(signed, bits)``: dynamic exponent. Magnitudes are a union of linear grids, one per decade: decade
+  ``d`` (scale ``10**(d - decades + 1)``) holds ``2**(d + extra)`` evenly spaced points of ``(0.1, 1] * scale``, so the
+  top decade ends at exactly 1.0 and large magnitudes get fine steps while small ones keep their order of magnitude.
+  With a sign bit (``signed``) the grids are mirrored around 0; without one each decade has twice the points
+  (``extra = 1``), so a non-negative moment gets twice the resolution. 8-bit: 7 decades, 255 (signed) or 256
+  (unsigned, one extra point at 1e-7) codes; 4-bit signed: 3 decades, 15 codes.
+- ``linear_nonzero_map(bits)``: ``(i + 1) / 2**bits`` — 4-bit second moments. It has no zero code: rounding a small
+  ``v`` to 0 makes ``m / (sqrt(v) + eps)`` explode (Li et al., 2023, section 4.1).
 
-Encoding and decoding are arithmetic (a log10, a few multiplies and selects per element; no table gathers, which
-compile to scalar loops), so they vectorise and run in a single pass inside compiled kernels. Encoding returns the
-nearest code; only values within float rounding of a midpoint between two codes may take the other neighbour.
+Encoding rounds to the nearest code. ``encode_tables`` precomputes, for every bfloat16 bit pattern (the top 16 bits
+of a float32), the nearest code of the smallest float32 with those top bits; since no map has two midpoints inside
+one such interval (checked when the tables are built), ``code = table[top16(y)] + (y > midpoint[table[...]])`` is
+the exact nearest code with two table reads and no search, which vectorises and compiles well.
 """
 
 from __future__ import annotations
@@ -22,95 +24,140 @@ import functools
 
 import torch
 
-__all__ = ["MAP_IDS", "code_maps", "decode", "dynamic_map", "encode", "linear_nonzero_map"]
-
-# Map ids stored in the state (a 0-d uint8 per quantized leaf): which map decodes its codes.
-MAP_IDS = {"dynamic8_signed": 0, "dynamic8_unsigned": 1, "dynamic4_signed": 2, "linear4_nonzero": 3}
-_DYNAMIC = {0: (7, True), 1: (8, False), 2: (3, True)}  # map id -> (decades, signed)
-
-
-def _decade_scale(d: torch.Tensor, decades: int) -> torch.Tensor:
-    """``10 ** (d - decades + 1)`` for integer-valued float ``d``, as exact float32 constants (no pow rounding)."""
-    scale = torch.full_like(d, 10.0 ** (1 - decades))
-    for k in range(1, decades):
-        scale = torch.where(d == k, 10.0 ** (k - decades + 1), scale)
-    return scale
-
-
-def _decode_dynamic(codes: torch.Tensor, decades: int, signed: bool) -> torch.Tensor:
-    k = codes.to(torch.int32) - (2**decades - 1 if signed else 0)
-    a = k.abs().to(torch.float32)  # magnitude index: 0 is zero, then decade d holds 2**d .. 2**(d+1) - 1
-    bits = a.view(torch.int32)
-    p2 = (bits & 0x7F800000).view(torch.float32)  # 2**d
-    d = ((bits >> 23) - 127).to(torch.float32)
-    fraction = 0.1 + 0.9 * ((a - p2 + 1) / torch.where(a > 0, p2, 1.0))
-    value = torch.where(a > 0, fraction * _decade_scale(d, decades), 0.0)
-    return torch.where(k < 0, -value, value) if signed else value
-
-
-def _encode_dynamic(y: torch.Tensor, decades: int, signed: bool) -> torch.Tensor:
-    a = y.abs()
-    d = (torch.ceil(torch.log10(a)) + (decades - 1)).clamp(0, decades - 1)  # log10(0) = -inf lands in decade 0
-    scale = _decade_scale(d, decades)
-    p2 = torch.exp2(d)
-    # decade d's points are 0.1 * scale (the previous decade's top; zero below decade 0) + j * 0.9 * scale / 2**d
-    j = torch.where(
-        d > 0, torch.minimum(torch.round((a / scale - 0.1) / 0.9 * p2).clamp(min=0), p2), torch.round(a / scale)
-    ).clamp(min=0)
-    index = torch.where(d > 0, p2 + j - 1, j).to(torch.int32)
-    if signed:
-        return (2**decades - 1) + torch.where(y < 0, -index, index)
-    return index
-
-
-def decode(codes: torch.Tensor, map_id: int) -> torch.Tensor:
-    """float32 values of integer ``codes`` under map ``map_id`` (a static int of ``MAP_IDS``)."""
-    if map_id == MAP_IDS["linear4_nonzero"]:
-        return (codes.to(torch.float32) + 1) * (1 / 16)
-    return _decode_dynamic(codes, *_DYNAMIC[map_id])
-
-
-def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
-    """Nearest int32 codes of finite float32 ``y`` in [-1, 1] (in [0, 1] for non-negative maps) under ``map_id``."""
-    if map_id == MAP_IDS["linear4_nonzero"]:
-        return (torch.round(y * 16) - 1).clamp(0, 15).to(torch.int32)
-    return _encode_dynamic(y, *_DYNAMIC[map_id])
-
-
-_LENGTHS = {0: 255, 1: 256, 2: 15, 3: 16}
+__all__ = ["MAP_IDS", "code_maps", "decode", "dynamic_map", "encode", "encode_tables", "linear_nonzero_map"]
 
 
 def dynamic_map(signed: bool, bits: int = 8) -> torch.Tensor:
-    """Every value of a dynamic-exponent map, sorted: 255/256 codes at 8 bits (signed/unsigned), 15 at 4 bits signed.
+    """Dynamic-exponent map: 255/256 codes for 8 bits (signed/unsigned), 15 for 4-bit signed.
 
     Example:
-        >>> from fadam.quantization import dynamic_map
+        >>> from fadam.quantization._maps import dynamic_map
         >>> m = dynamic_map(signed=True, bits=4)
-        >>> m.numel(), m[7:]
-        (15, tensor([0.0000, 0.0100, 0.0550, 0.1000, 0.3250, 0.5500, 0.7750, 1.0000]))
+        >>> m.numel(), m.min().item(), m.max().item(), bool((m == 0).any())
+        (15, -1.0, 1.0, True)
     """
     if (bits, signed) not in ((8, True), (8, False), (4, True)):
         raise ValueError(f"no dynamic map for bits={bits}, signed={signed}")
-    map_id = MAP_IDS[f"dynamic{bits}_{'signed' if signed else 'unsigned'}"]
-    return decode(torch.arange(_LENGTHS[map_id]), map_id)
+    decades = 7 if bits == 8 else 3
+    extra = 0 if signed else 1
+    magnitudes = []
+    for d in range(decades):
+        count = 2 ** (d + extra)
+        scale = 10.0 ** (d - decades + 1)
+        grid = torch.linspace(0.1, 1.0, count + 1, dtype=torch.float64)[1:]
+        magnitudes.append(grid * scale)
+    if not signed and bits == 8:
+        magnitudes.insert(0, torch.tensor([10.0**-decades], dtype=torch.float64))  # the 256th code extends the range
+    mags = torch.cat(magnitudes)
+    values = (
+        torch.cat([-mags.flip(0), torch.zeros(1, dtype=torch.float64), mags])
+        if signed
+        else torch.cat([torch.zeros(1, dtype=torch.float64), mags])
+    )
+    return values.to(torch.float32)
 
 
 def linear_nonzero_map(bits: int = 4) -> torch.Tensor:
-    """``(i + 1) / 16``: non-negative values with no zero code (4-bit second moments).
+    """``(i + 1) / 2**bits`` for ``i < 2**bits``: non-negative values with no zero code (4-bit second moments).
 
     Example:
-        >>> from fadam.quantization import linear_nonzero_map
-        >>> linear_nonzero_map()[:3]
+        >>> from fadam.quantization._maps import linear_nonzero_map
+        >>> linear_nonzero_map(4)[:3]
         tensor([0.0625, 0.1250, 0.1875])
     """
     if bits != 4:
         raise ValueError(f"the zero-free linear map is 4-bit, got bits={bits}")
-    return decode(torch.arange(16), MAP_IDS["linear4_nonzero"])
+    levels = 2**bits
+    return (torch.arange(1, levels + 1, dtype=torch.float64) / levels).to(torch.float32)
+
+
+# Map ids stored in the state (a 0-d uint8 per quantized leaf): which map decodes its codes.
+MAP_IDS = {"dynamic8_signed": 0, "dynamic8_unsigned": 1, "dynamic4_signed": 2, "linear4_nonzero": 3}
+_SIZE = 256  # codes per map slot; shorter maps are padded with their last value (those codes are never produced)
 
 
 @functools.cache
-def code_maps() -> torch.Tensor:
-    """All maps as one ``(4, 256)`` float32 CPU tensor, row ``MAP_IDS[name]`` (short maps padded with their last
-    value, a code never produced): the reference the arithmetic codec is tested against."""
-    rows = [decode(torch.arange(_LENGTHS[i]), i) for i in range(4)]
-    return torch.stack([torch.cat([r, r[-1:].expand(256 - r.numel())]) for r in rows])
+def _cpu_maps() -> torch.Tensor:
+    maps = [
+        dynamic_map(True, 8),
+        dynamic_map(False, 8),
+        dynamic_map(True, 4),
+        linear_nonzero_map(4),
+    ]
+    return torch.stack([torch.cat([m, m[-1:].expand(_SIZE - m.numel())]) for m in maps])
+
+
+def code_maps(device: torch.device | str = "cpu") -> torch.Tensor:
+    """All maps as one ``(4, 256)`` float32 tensor, row ``MAP_IDS[name]``."""
+    return _on_device(_cpu_maps, torch.device(device))
+
+
+@functools.cache
+def _cpu_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    maps = _cpu_maps()
+    patterns = torch.arange(_SIZE * _SIZE, dtype=torch.int64)
+    negative = patterns >= 0x8000
+    # float32 bit patterns whose top 16 bits are `pattern`: [low, high] as integers; the smallest value is `low` for
+    # a positive pattern and `high` for a negative one (float order is reversed there).
+    low_bits = (patterns << 16).to(torch.int64)
+    high_bits = low_bits | 0xFFFF
+    as_float = lambda b: (b - (1 << 32) * (b >= 1 << 31)).to(torch.int32).view(torch.float32)  # noqa: E731
+    smallest = torch.where(negative, as_float(high_bits), as_float(low_bits))
+    largest = torch.where(negative, as_float(low_bits), as_float(high_bits))
+    finite = torch.isfinite(smallest) & torch.isfinite(largest)
+    tables, thresholds = [], []
+    for row, length in zip(maps, (255, 256, 15, 16)):
+        values = row[:length]
+        mids = (values[:-1] + values[1:]) / 2
+        lo = torch.bucketize(smallest.clamp(-1, 1), mids)
+        hi = torch.bucketize(largest.clamp(-1, 1), mids)
+        if bool(((hi - lo) > 1)[finite].any()):
+            raise AssertionError("a map has two midpoints inside one bfloat16 interval; the table encoder is invalid")
+        tables.append(torch.where(finite, lo, 0).to(torch.uint8))
+        thresholds.append(torch.cat([mids, torch.full((_SIZE - mids.numel(),), float("inf"))]))
+    return torch.stack(tables), torch.stack(thresholds)
+
+
+def encode_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tables, thresholds)``: ``(4, 65536)`` uint8 first guesses and ``(4, 256)`` float32 upper midpoints."""
+    return _on_device(_cpu_tables, torch.device(device))
+
+
+_device_cache: dict[tuple[str, torch.device], object] = {}
+
+
+def _on_device(build, device: torch.device):
+    # Constants built once on the CPU and copied once per device (not state: the same for every optimizer).
+    key = (build.__name__, device)
+    if key not in _device_cache:
+        value = build()
+        _device_cache[key] = tuple(v.to(device) for v in value) if isinstance(value, tuple) else value.to(device)
+    return _device_cache[key]
+
+
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (maps, first guesses, thresholds) on one device
+
+
+def tables_on(device: torch.device | str) -> Tables:
+    return (code_maps(device), *encode_tables(device))
+
+
+def decode(codes: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
+    """float32 values of integer ``codes`` under ``map_id`` (a static int, or a 0-d tensor read on device)."""
+    maps = (tables_on(codes.device) if tables is None else tables)[0]
+    codes = codes.to(torch.int64)
+    if isinstance(map_id, int):
+        return maps[map_id][codes]
+    return maps.view(-1)[map_id.to(torch.int64) * _SIZE + codes]
+
+
+def encode(y: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
+    """Nearest int64 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: two table reads, no search."""
+    _, guesses, thresholds = tables_on(y.device) if tables is None else tables
+    top = ((y.view(torch.int32) >> 16) & 0xFFFF).to(torch.int64)
+    if isinstance(map_id, int):
+        guess = guesses[map_id][top].to(torch.int64)
+        return guess + (y > thresholds[map_id][guess]).to(torch.int64)
+    row = map_id.to(torch.int64)
+    guess = guesses.view(-1)[row * _SIZE * _SIZE + top].to(torch.int64)
+    return guess + (y > thresholds.view(-1)[row * _SIZE + guess]).to(torch.int64)
