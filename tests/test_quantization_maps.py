@@ -15,13 +15,12 @@ def test_dynamic_maps_shape_and_range():
         assert m.max().item() == 1.0 and bool((m == 0).any())
     assert torch.equal(signed, -signed.flip(0))  # symmetric
     assert unsigned.min().item() == 0.0 and unsigned[1].item() == pytest.approx(1e-7)
-    # the unsigned map has twice the points of the signed map in each decade
     top = lambda m: int(((m > 0.1) & (m <= 1)).sum())  # noqa: E731
-    assert top(unsigned) == 2 * top(signed) == 128
-    assert signed[signed > 0].min().item() == pytest.approx(1e-6)
-    # every decade's top is its power of ten
-    for k in range(7):
+    assert (top(unsigned), top(signed), top(signed4)) == (128, 65, 4)
+    assert signed[signed > 0].min().item() == pytest.approx(5.5e-6)
+    for k in range(6):  # every decade ends at its power of ten
         assert bool((signed == torch.tensor(10.0**-k)).any())
+        assert bool((unsigned == torch.tensor(10.0**-k)).any())
 
 
 def test_linear_nonzero_map_has_no_zero():

@@ -84,12 +84,12 @@ def quantize_blockwise(
     Example:
         >>> import torch
         >>> from fadam.quantization import dequantize_blockwise, quantize_blockwise
-        >>> x = torch.tensor([0.5, -1.0, 0.25, 0.0])  # 0.5 is not a code of the signed map: nearest is 0.49375
+        >>> x = torch.tensor([0.5, -1.0, 0.25, 0.0])  # 0.5 is not a code of the signed map: nearest is 0.5015
         >>> q = quantize_blockwise(x, bits=8, block_size=2)
         >>> q.codes.dtype, q.absmax.tolist()
         (torch.uint8, [1.0, 0.25])
         >>> dequantize_blockwise(q, x.shape, bits=8, block_size=2)
-        tensor([ 0.4938, -1.0000,  0.2500,  0.0000])
+        tensor([ 0.5015, -1.0000,  0.2500,  0.0000])
     """
     signed, unsigned = map_pair(bits)
     n = x.numel()
