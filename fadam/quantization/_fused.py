@@ -164,16 +164,23 @@ def fused_quantized_adam_step(
         scalars64 = torch.stack(
             [torch.as_tensor(x, dtype=torch.float64).reshape(()) for x in (lr_value, bc1, bc2.sqrt(), factor)]
         )
+        on_device = {}
+        for p in param_leaves:
+            if p.device not in on_device:  # one copy per device and step, asynchronous on accelerators
+                cpu = scalars64.to(torch.float32)
+                on_device[p.device] = (
+                    cpu if p.device.type == "cpu" else cpu.pin_memory().to(p.device, non_blocking=True)
+                )
         new_params, new_mus, new_nus = [], [], []
         with torch.no_grad():
             for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
                 if not isinstance(m, QuantizedArray):
-                    p_new, m_new, v_new = _adam_math(p, g, m, v, scalars64.to(torch.float32), config)
+                    p_new, m_new, v_new = _adam_math(p, g, m, v, on_device[p.device], config)
                     if donate:
                         p.copy_(p_new), m.copy_(m_new), v.copy_(v_new)
                         p_new, m_new, v_new = p, m, v
                 else:
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, scalars64, donate)
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], donate)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
@@ -181,9 +188,8 @@ def fused_quantized_adam_step(
         new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
         return spec.unflatten(new_params), new_state
 
-    def _quantized_leaf(p, g, m, v, scalars64, donate):
+    def _quantized_leaf(p, g, m, v, scalars, donate):
         device = p.device
-        scalars = scalars64.to(device=device, dtype=torch.float32)
         signed, unsigned = map_pair(bits)
         if not donate:
             p, m, v = p.clone(), QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
@@ -199,8 +205,8 @@ def fused_quantized_adam_step(
                     torch._dynamo.mark_dynamic(t, 0)
             run(*args, tables_on(device), config, bits)
         tail = p.numel() - rows * block_size
-        m = m._replace(map_id=torch.tensor(signed, dtype=torch.uint8, device=m.map_id.device))
-        v = v._replace(map_id=torch.tensor(unsigned, dtype=torch.uint8, device=v.map_id.device))
+        m = m._replace(map_id=torch.full_like(m.map_id, signed))  # a kernel, not a host-to-device copy
+        v = v._replace(map_id=torch.full_like(v.map_id, unsigned))
         if tail:  # the ragged last block, eagerly, with the same math and the codec's padding
             p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
             m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
