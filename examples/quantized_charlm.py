@@ -93,7 +93,12 @@ def train(name: str, tx: fadam.GradientTransformation, cfg: argparse.Namespace, 
     for step, chunk in enumerate(data["train"]):
         p = {k: v.requires_grad_(True) for k, v in params.items()}
         grads = dict(zip(p, torch.autograd.grad(loss_fn(p, chunk), list(p.values()))))
-        params, state = fadam.step(tx, {k: v.detach() for k, v in p.items()}, grads, state, donate=True)
+        p = {k: v.detach() for k, v in p.items()}
+        if cfg.pure:  # the chain, no fused kernels (no compilation)
+            updates, state = tx.update(grads, state, p)
+            params = fadam.apply_updates(p, updates)
+        else:
+            params, state = fadam.step(tx, p, grads, state, donate=True)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == len(data["train"]):
             curve.append((step + 1, evaluate(params)))
             print(f"{name:>6} step {step + 1:5d} val loss {curve[-1][1]:.4f} ({time.perf_counter() - start:.0f} s)")
@@ -113,6 +118,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pure", action="store_true", help="tx.update + apply_updates instead of fadam.step")
     parser.add_argument("--out", type=Path, default=None, help="write the curves and figures as JSON")
     cfg = parser.parse_args()
     if cfg.tiny:
