@@ -67,6 +67,20 @@ def check_fused_step_matches_chain(make, bits, kwargs):
         assert (a - b).norm() <= 0.02 * b.norm()
 
 
+def test_fused_step_reads_a_state_written_by_the_chain(eager_kernel):
+    # step 1 with all-positive gradients: the chain stores m with the non-negative map; the fused step must decode it
+    params = {"w": torch.randn(1000)}
+    tx = fadam.adam8bit(lr=1e-2, min_size=1)
+    _, state = tx.update({"w": torch.rand(1000)}, tx.init(params), params)
+    inner = state[0].inner_state
+    assert int(inner.mu["w"].map_id) == 1
+    grads = {"w": torch.randn(1000)}
+    fused_p, fused_s = fadam.step(tx, params, grads, state)
+    updates, _ = tx.update(grads, state, params)
+    torch.testing.assert_close(fused_p["w"], fadam.apply_updates(params, updates)["w"], rtol=0, atol=1e-6)
+    assert int(fused_s[0].inner_state.mu["w"].map_id) == 0
+
+
 def test_fused_step_declines_what_it_cannot_run(eager_kernel):
     params = {"w": torch.randn(512)}
     grads = {"w": torch.randn(512)}

@@ -64,14 +64,18 @@ def encode_rows(
     return codes.to(torch.uint8), absmax
 
 
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    codes = codes.to(torch.int64)
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
+    return codes
+
+
 def decode_rows(
     codes: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
 ) -> torch.Tensor:
     """Inverse of ``encode_rows``."""
-    codes = codes.to(torch.int64)
-    if bits == 4:
-        codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
-    return decode(codes, map_id, tables) * absmax.unsqueeze(-1)
+    return decode(unpack_codes(codes, bits), map_id, tables) * absmax.unsqueeze(-1)
 
 
 def quantize_blockwise(

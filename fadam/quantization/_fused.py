@@ -3,13 +3,14 @@
 ``fadam.step(adam8bit(...), params, grads, state, donate=True)`` runs this instead of the chain. Each quantized leaf is
 viewed as ``(blocks, block_size)`` rows; one ``torch.compile``-d function reads a row's codes and gradient, computes
 the new moments and param, takes the row's new absmax and writes the new codes, so every byte of state is read and
-written once (a ragged last block runs the same math eagerly). The row count is a dynamic dimension and the learning
-rate and bias corrections are 0-d tensors: one compilation per (dtype, bits, block size, hyperparameters) serves every
-param shape and step. The math and its order are ``quantize_state(scale_by_adam)`` followed by the learning rate and
-weight decay, as the chain computes them; m always takes the signed map and v the non-negative one (v >= 0 by
-construction), where the general path picks them from the values (it may choose the non-negative map for an m that
-happens to have no negative entry; either decodes). Small leaves (full-precision state) use torch's fused kernel.
-Anything else (vmap, autograd, AMSGrad, Nesterov, non-contiguous params, tensor hyperparameters) takes the chain.
+written once (a ragged last block runs the same math eagerly). The learning rate and bias corrections are 0-d tensors
+and the row count becomes a dynamic size after the second shape: at most two compilations per (dtype, bits, block size,
+hyperparameters) serve every param shape and step. The math and its order are ``quantize_state(scale_by_adam)``
+followed by the learning rate and weight decay, as the chain computes them. Codes are decoded with the map they were
+stored with; the new m is encoded with the signed map and the new v with the non-negative one (v >= 0 by
+construction), where the chain picks from the values (it may choose the non-negative map for an m that happens to have
+no negative entry; either decodes). Small leaves (full-precision state) run the same math eagerly. Anything else
+(vmap, autograd, AMSGrad, Nesterov, non-contiguous params, tensor weight decay) takes the chain.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from fadam._numerics import bias_correction, safe_increment
 from fadam._tree import PyTree, check_leaves
 from fadam.quantization._codec import (
     QuantizedArray,
-    decode_rows,
     dequantize_blockwise,
     encode_rows,
     expected_sizes,
     map_pair,
     quantize_blockwise,
+    unpack_codes,
 )
-from fadam.quantization._maps import Tables, tables_on
+from fadam.quantization._maps import Tables, map_values, tables_on
 from fadam.quantization._wrapper import QuantizedState
 from fadam.transforms._adam import ScaleByAdamState
 
@@ -43,7 +44,7 @@ def _adam_math(
     g: torch.Tensor,
     m: torch.Tensor,
     v: torch.Tensor,
-    scalars: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
     config: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """New (param, m, v) in the chain's order of operations. ``scalars`` = [lr, bc1, bc2_sqrt, decay factor]."""
@@ -67,16 +68,20 @@ def _rows_step(
     g: torch.Tensor,
     m_codes: torch.Tensor,
     m_absmax: torch.Tensor,
+    m_map: torch.Tensor,  # the 256 values of the map m was stored with
     v_codes: torch.Tensor,
     v_absmax: torch.Tensor,
-    scalars: torch.Tensor,
+    v_map: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
     tables: Tables,
     config: tuple,
     bits: int,
 ) -> tuple[torch.Tensor, ...]:
+    # Decode with the stored maps (a state written by the chain may hold m in the non-negative map); encode m with
+    # the signed map and v (non-negative by construction) with the non-negative one.
     signed, unsigned = map_pair(bits)
-    m = decode_rows(m_codes, m_absmax, bits, signed, tables)
-    v = decode_rows(v_codes, v_absmax, bits, unsigned, tables)
+    m = m_map[unpack_codes(m_codes, bits)] * m_absmax.unsqueeze(-1)
+    v = v_map[unpack_codes(v_codes, bits)] * v_absmax.unsqueeze(-1)
     p_new, m, v = _adam_math(p, g, m, v, scalars, config)
     return (p_new, *encode_rows(m, bits, signed, tables), *encode_rows(v, bits, unsigned, tables))
 
@@ -86,14 +91,16 @@ def _rows_step_inplace(
     g: torch.Tensor,
     m_codes: torch.Tensor,
     m_absmax: torch.Tensor,
+    m_map: torch.Tensor,  # the 256 values of the map m was stored with
     v_codes: torch.Tensor,
     v_absmax: torch.Tensor,
-    scalars: torch.Tensor,
+    v_map: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
     tables: Tables,
     config: tuple,
     bits: int,
 ) -> None:
-    new = _rows_step(p, g, m_codes, m_absmax, v_codes, v_absmax, scalars, tables, config, bits)
+    new = _rows_step(p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map, scalars, tables, config, bits)
     for target, value in zip((p, m_codes, m_absmax, v_codes, v_absmax), new):
         target.copy_(value)
 
@@ -103,10 +110,11 @@ _compiled: dict[bool, Callable[..., Any]] = {}
 
 def _kernel(inplace: bool) -> Callable[..., Any]:
     # One compiled function per mode; hyperparameters reach it as constants (a change recompiles), the lr and bias
-    # corrections as a tensor (a change does not), and the row count as a dynamic size.
+    # corrections as 0-d tensors (a change does not). The first param shape compiles a static kernel; the second
+    # shape seen recompiles once with a dynamic row count (torch's automatic dynamic shapes), which then serves all.
     if inplace not in _compiled:
         fn = _rows_step_inplace if inplace else _rows_step
-        _compiled[inplace] = torch.compile(fn, dynamic=False, fullgraph=True)
+        _compiled[inplace] = torch.compile(fn, fullgraph=True)
     return _compiled[inplace]
 
 
@@ -168,16 +176,17 @@ def fused_quantized_adam_step(
         for p in param_leaves:
             if p.device not in on_device:  # one copy per device and step, asynchronous on accelerators
                 cpu = scalars64.to(torch.float32)
-                on_device[p.device] = (
-                    cpu if p.device.type == "cpu" else cpu.pin_memory().to(p.device, non_blocking=True)
-                )
+                moved = cpu if p.device.type == "cpu" else cpu.pin_memory().to(p.device, non_blocking=True)
+                # separate 0-d tensors: a (4,) tensor would share its size with a 4-row param and pin it
+                on_device[p.device] = tuple(moved.unbind())
         new_params, new_mus, new_nus = [], [], []
         with torch.no_grad():
             for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
                 if not isinstance(m, QuantizedArray):
                     p_new, m_new, v_new = _adam_math(p, g, m, v, on_device[p.device], config)
                     if donate:
-                        p.copy_(p_new), m.copy_(m_new), v.copy_(v_new)
+                        for target, value in ((p, p_new), (m, m_new), (v, v_new)):
+                            target.copy_(value)
                         p_new, m_new, v_new = p, m, v
                 else:
                     p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], donate)
@@ -198,27 +207,25 @@ def fused_quantized_adam_step(
         if rows:
             p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g.contiguous(), rows, block_size)[0]
             m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
-            args = (p_rows, g_rows, m_rows, m.absmax[:rows], v_rows, v.absmax[:rows], scalars)
+            tables = tables_on(device)
+            m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
+            args = (p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map, scalars)
             run = _kernel(True) if compile else _rows_step_inplace
-            if compile:
-                for t in args[:6]:
-                    torch._dynamo.mark_dynamic(t, 0)
-            run(*args, tables_on(device), config, bits)
+            run(*args, tables, config, bits)
         tail = p.numel() - rows * block_size
-        m = m._replace(map_id=torch.full_like(m.map_id, signed))  # a kernel, not a host-to-device copy
-        v = v._replace(map_id=torch.full_like(v.map_id, unsigned))
+        new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
+        new_v_map = torch.full_like(v.map_id, unsigned)
         if tail:  # the ragged last block, eagerly, with the same math and the codec's padding
             p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
             m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
-            shape = (tail,)
-            m_full = dequantize_blockwise(m_tail, shape, bits, block_size)
-            v_full = dequantize_blockwise(v_tail, shape, bits, block_size)
+            m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)
+            v_full = dequantize_blockwise(v_tail, (tail,), bits, block_size)
             p_new, m_full, v_full = _adam_math(p_tail, g_tail, m_full, v_full, scalars, config)
             p_tail.copy_(p_new)
-            for old, full in ((m_tail, m_full), (v_tail, v_full)):
-                new = quantize_blockwise(full, bits, block_size, map_id=old.map_id)
+            for old, full, map_id in ((m_tail, m_full, new_m_map), (v_tail, v_full, new_v_map)):
+                new = quantize_blockwise(full, bits, block_size, map_id=map_id)
                 old.codes.copy_(new.codes)
                 old.absmax.copy_(new.absmax)
-        return p, m, v
+        return p, m._replace(map_id=new_m_map), v._replace(map_id=new_v_map)
 
     return fused_step

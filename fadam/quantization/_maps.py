@@ -148,6 +148,12 @@ def decode(codes: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | Non
     return maps.view(-1)[map_id.to(torch.int64) * _SIZE + codes]
 
 
+def map_values(map_id: torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
+    """The 256 values of the map a 0-d ``map_id`` names, gathered on its device (no host sync)."""
+    maps = (tables_on(map_id.device) if tables is None else tables)[0]
+    return maps.index_select(0, map_id.reshape(1).to(torch.int64))[0]
+
+
 def encode(y: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
     """Nearest int64 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: two table reads, no search."""
     _, guesses, thresholds = tables_on(y.device) if tables is None else tables
