@@ -67,6 +67,18 @@ def check_fused_step_matches_chain(make, bits, kwargs):
         assert (a - b).norm() <= 0.02 * b.norm()
 
 
+def test_fused_step_bf16_params(eager_kernel):
+    torch.manual_seed(0)
+    params = {"w": torch.randn(40, 30).to(torch.bfloat16), "b": torch.randn(7).to(torch.bfloat16)}
+    tx = fadam.adamw8bit(lr=1e-2, min_size=100)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    fused_p, _ = fadam.step(tx, params, grads, tx.init(params))
+    updates, _ = tx.update(grads, tx.init(params), params)
+    for k in params:
+        assert fused_p[k].dtype == torch.bfloat16
+        torch.testing.assert_close(fused_p[k], fadam.apply_updates(params, updates)[k], rtol=0, atol=0)
+
+
 def test_fused_step_reads_a_state_written_by_the_chain(eager_kernel):
     # step 1 with all-positive gradients: the chain stores m with the non-negative map; the fused step must decode it
     params = {"w": torch.randn(1000)}

@@ -54,9 +54,9 @@ def _adam_math(
         g = -g
     if weight_decay and not decoupled:
         g = torch.add(g, p.to(g.dtype), alpha=weight_decay)
-    g32 = g.to(torch.float32)
-    m = m.lerp(g32, 1 - b1)
-    v = torch.addcmul(v * b2, g32, g32, value=1 - b2)
+    g_m, g_v = g.to(m.dtype), g.to(v.dtype)  # as scale_by_adam: in the moments' dtype (float32 when quantized)
+    m = m.lerp(g_m, 1 - b1)
+    v = torch.addcmul(v * b2, g_v, g_v, value=1 - b2)
     u = ((m / bc1) / (v.sqrt() / bc2_sqrt + eps)).to(g.dtype) * -lr
     if weight_decay and decoupled:
         u = u - (p - p * factor.to(p.dtype)).to(u.dtype)

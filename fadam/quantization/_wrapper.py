@@ -138,9 +138,9 @@ def quantize_state(
         for index, (leaf, position) in enumerate(zip(leaves, _param_positions(state.inner_state, updates_spec))):
             if not isinstance(leaf, QuantizedArray):
                 continue
-            g = None if position is None else update_leaves[position]
             if position is None:
                 raise ValueError(f"quantized state at {path_str(paths[index])} has no matching leaf in the updates")
+            g = update_leaves[position]
             if g is None:  # skipped param: the inner transform leaves this state as it is; a placeholder stands in
                 full[index] = passed[index] = torch.empty(0)
                 continue
