@@ -65,7 +65,7 @@ def encode_rows(
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    codes = codes.to(torch.int64)
+    codes = codes.to(torch.int32)
     if bits == 4:
         codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
     return codes

@@ -142,10 +142,10 @@ def tables_on(device: torch.device | str) -> Tables:
 def decode(codes: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
     """float32 values of integer ``codes`` under ``map_id`` (a static int, or a 0-d tensor read on device)."""
     maps = (tables_on(codes.device) if tables is None else tables)[0]
-    codes = codes.to(torch.int64)
+    codes = codes.to(torch.int32)  # int32 indices: cheaper gathers in compiled code than int64
     if isinstance(map_id, int):
         return maps[map_id][codes]
-    return maps.view(-1)[map_id.to(torch.int64) * _SIZE + codes]
+    return maps.view(-1)[map_id.to(torch.int32) * _SIZE + codes]
 
 
 def map_values(map_id: torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
@@ -155,12 +155,12 @@ def map_values(map_id: torch.Tensor, tables: Tables | None = None) -> torch.Tens
 
 
 def encode(y: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
-    """Nearest int64 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: two table reads, no search."""
+    """Nearest int32 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: two table reads, no search."""
     _, guesses, thresholds = tables_on(y.device) if tables is None else tables
-    top = ((y.view(torch.int32) >> 16) & 0xFFFF).to(torch.int64)
+    top = (y.view(torch.int32) >> 16) & 0xFFFF
     if isinstance(map_id, int):
-        guess = guesses[map_id][top].to(torch.int64)
-        return guess + (y > thresholds[map_id][guess]).to(torch.int64)
-    row = map_id.to(torch.int64)
-    guess = guesses.view(-1)[row * _SIZE * _SIZE + top].to(torch.int64)
-    return guess + (y > thresholds.view(-1)[row * _SIZE + guess]).to(torch.int64)
+        guess = guesses[map_id][top].to(torch.int32)
+        return guess + (y > thresholds[map_id][guess]).to(torch.int32)
+    row = map_id.to(torch.int32)
+    guess = guesses.view(-1)[row * _SIZE * _SIZE + top].to(torch.int32)
+    return guess + (y > thresholds.view(-1)[row * _SIZE + guess]).to(torch.int32)
