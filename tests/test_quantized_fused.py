@@ -12,7 +12,7 @@ from fadam.quantization import QuantizedArray, _fused, dequantize_blockwise
 def eager_kernel(monkeypatch):
     # The same row kernel without torch.compile: compiling costs tens of seconds on a busy 2-core machine, so only
     # the slow test below compiles; benchmarks/bench_quantized.py checks the compiled kernel on every run.
-    monkeypatch.setattr(_fused, "_kernel", lambda inplace: _fused._rows_step_inplace)
+    monkeypatch.setattr(_fused, "_kernel", lambda: _fused._rows_step_inplace)
 
 
 def dequantized_moments(state, params, bits, block):

@@ -15,6 +15,7 @@ no negative entry; either decodes). Small leaves (full-precision state) run the 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -105,17 +106,28 @@ def _rows_step_inplace(
         target.copy_(value)
 
 
-_compiled: dict[bool, Callable[..., Any]] = {}
+_compiled: list[Callable[..., Any]] = []
 
 
-def _kernel(inplace: bool) -> Callable[..., Any]:
-    # One compiled function per mode; hyperparameters reach it as constants (a change recompiles), the lr and bias
-    # corrections as 0-d tensors (a change does not). The first param shape compiles a static kernel; the second
-    # shape seen recompiles once with a dynamic row count (torch's automatic dynamic shapes), which then serves all.
-    if inplace not in _compiled:
-        fn = _rows_step_inplace if inplace else _rows_step
-        _compiled[inplace] = torch.compile(fn, fullgraph=True)
-    return _compiled[inplace]
+def _kernel() -> Callable[..., Any]:
+    # One compiled function; hyperparameters reach it as constants (a change recompiles), the lr and bias corrections
+    # as 0-d tensors (a change does not). The first param shape compiles a static kernel; the second shape seen
+    # recompiles once with a dynamic row count (torch's automatic dynamic shapes), which then serves all.
+    if not _compiled:
+        compiled = torch.compile(_rows_step_inplace, fullgraph=True)
+
+        def run(*args: Any) -> None:
+            try:
+                compiled(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. no C++ compiler: same math, eagerly
+                warnings.warn(
+                    f"fadam: compiling the quantized Adam step failed ({err}); running it eagerly", stacklevel=3
+                )
+                _compiled[0] = _rows_step_inplace
+                _rows_step_inplace(*args)
+
+        _compiled.append(run)
+    return _compiled[0]
 
 
 def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +176,8 @@ def fused_quantized_adam_step(
         ):
             return None
         lr_value = _learning_rate(lr, state[adam_index + 1])
-        if lr_value is None:
-            return None
+        if lr_value is None or (isinstance(lr_value, torch.Tensor) and lr_value.device.type != "cpu"):
+            return None  # reading an accelerator lr here would sync; the chain handles it
         count = safe_increment(adam_state.count)
         bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
         factor = 1 - lr_value * weight_decay  # the decoupled decay factor, as add_decoupled_weight_decay computes it
@@ -210,7 +222,7 @@ def fused_quantized_adam_step(
             tables = tables_on(device)
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             args = (p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map, scalars)
-            run = _kernel(True) if compile else _rows_step_inplace
+            run = _kernel() if compile else _rows_step_inplace
             run(*args, tables, config, bits)
         tail = p.numel() - rows * block_size
         new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
