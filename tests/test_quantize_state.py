@@ -55,6 +55,21 @@ def test_single_tensor_params_and_masked_inner():
     assert torch.equal(u["b"], grads_like(make_params(), 1)["b"])  # unselected: passed through
 
 
+def test_mask_inside_masked_and_prefix_masks():
+    params = make_params()
+    tx = fadam.masked(
+        fadam.quantize_state(fadam.scale_by_adam(), min_size=16, mask={"w": False, "b": True, "c": True}),
+        {"w": True, "b": False, "c": True},
+    )
+    inner = tx.init(params).inner_state.inner_state
+    assert isinstance(inner.mu["w"], torch.Tensor) and isinstance(inner.mu["c"], QuantizedArray)
+    tx = fadam.quantize_state(fadam.scale_by_adam(), min_size=16, mask=lambda p: {k: k != "c" for k in p})
+    inner = tx.init(params).inner_state
+    assert isinstance(inner.mu["w"], QuantizedArray) and isinstance(inner.mu["c"], torch.Tensor)
+    with pytest.raises(TypeError, match="expected a bool"):
+        fadam.quantize_state(fadam.scale_by_adam(), mask={"w": 1, "b": True, "c": True}).init(params)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_update_runs_inner_on_dequantized_state_and_requantizes(bits):
     params = make_params()

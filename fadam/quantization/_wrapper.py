@@ -10,7 +10,7 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._tree import PyTree, path_str
-from fadam.combinators._masking import MaskedNode, _full_tree
+from fadam.combinators._masking import MaskedNode
 from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise
 
 __all__ = ["QuantizedState", "quantize_state"]
@@ -49,6 +49,20 @@ def _param_positions(state: PyTree, params_spec: optree.PyTreeSpec) -> list[int 
         spec = structure(group)
         positions.extend(range(spec.num_leaves) if spec == params_spec else [None] * spec.num_leaves)
     return positions
+
+
+def _mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[Any]:
+    """``mask`` broadcast to one bool per leaf of ``_flatten(params)`` (a ``MaskedNode`` hole counts as a leaf)."""
+    prefix = mask(params) if callable(mask) else mask
+    try:
+        full = optree.tree_broadcast_prefix(prefix, params, is_leaf=_is_atom, none_is_leaf=True)
+    except ValueError as err:
+        raise ValueError(f"mask is not a prefix of the params tree: {err}") from None
+    flags = _flatten(full)[0]
+    for flag, path in zip(flags, _flatten(params)[1].paths()):
+        if not isinstance(flag, bool):
+            raise TypeError(f"mask leaf for {path_str(path)} is {flag!r}; expected a bool")
+    return flags
 
 
 def quantize_state(
@@ -111,7 +125,7 @@ def quantize_state(
     def init(params: PyTree) -> QuantizedState:
         inner_state = inner.init(params)
         param_leaves, params_spec = _flatten(params)
-        selected = [True] * len(param_leaves) if mask is None else _full_tree(mask, params, "mask")
+        selected = [True] * len(param_leaves) if mask is None else _mask_leaves(mask, params)
         leaves, spec = _flatten(inner_state)
         new_leaves = []
         for leaf, position in zip(leaves, _param_positions(inner_state, params_spec)):
