@@ -45,6 +45,8 @@ from fadam.combinators._wrappers import (
     zero_nans,
 )
 from fadam.meta import MetaOptimizer, MetaSnapshot, stop_gradient
+from fadam.quantization import QuantizedArray, QuantizedState, quantize_state
+from fadam.quantization._aliases import adam4bit, adam8bit, adamw4bit, adamw8bit, lion8bit, sgd8bit
 from fadam.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -107,6 +109,8 @@ __all__ = [
     "MultiStepsState",
     "Optimizer",
     "PartitionState",
+    "QuantizedArray",
+    "QuantizedState",
     "ScalarOrSchedule",
     "ScaleByAdamState",
     "ScaleByAdamaxState",
@@ -124,8 +128,12 @@ __all__ = [
     "adafactor",
     "adagrad",
     "adam",
+    "adam4bit",
+    "adam8bit",
     "adamax",
     "adamw",
+    "adamw4bit",
+    "adamw8bit",
     "add_decayed_weights",
     "add_decoupled_weight_decay",
     "apply_if_finite",
@@ -148,6 +156,7 @@ __all__ = [
     "linear_onecycle_schedule",
     "linear_schedule",
     "lion",
+    "lion8bit",
     "masked",
     "nadam",
     "nadamw",
@@ -156,6 +165,7 @@ __all__ = [
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
+    "quantize_state",
     "radam",
     "rmsprop",
     "scale",
@@ -176,6 +186,7 @@ __all__ = [
     "selective_transform",
     "set_to_zero",
     "sgd",
+    "sgd8bit",
     "sgdr_schedule",
     "skip_large_updates",
     "skip_not_finite",

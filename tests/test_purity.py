@@ -27,6 +27,18 @@ def _half_lr(count: torch.Tensor) -> torch.Tensor:
 # name -> builders of a transform. Give each factory its interesting configurations; ``complex`` says whether the
 # transform accepts complex params (clip does not: clamp has no order on complex numbers).
 FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
+    "adam4bit": [lambda: fadam.adam4bit(1e-2, min_size=0)],
+    "adam8bit": [lambda: fadam.adam8bit(1e-2, min_size=0), lambda: fadam.adam8bit(1e-2, weight_decay=0.1)],
+    "adamw4bit": [lambda: fadam.adamw4bit(1e-2, amsgrad=True, min_size=0)],
+    "adamw8bit": [lambda: fadam.adamw8bit(1e-2, weight_decay=0.1, min_size=0)],
+    "lion8bit": [lambda: fadam.lion8bit(1e-3, weight_decay=0.1, min_size=0)],
+    "quantize_state": [
+        lambda: fadam.quantize_state(fadam.scale_by_adam(), bits=8, min_size=0),
+        lambda: fadam.quantize_state(
+            fadam.trace(0.9), bits=4, min_size=0, mask={"layer": True, "extra": False, "z": True}
+        ),
+    ],
+    "sgd8bit": [lambda: fadam.sgd8bit(1e-2, momentum=0.9, min_size=0)],
     "adafactor": [lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2), lambda: fadam.adafactor(momentum=0.9)],
     "adagrad": [lambda: fadam.adagrad(0.1), lambda: fadam.adagrad(0.1, lr_decay=1e-3, initial_accumulator_value=0.1)],
     "adamax": [lambda: fadam.adamax(1e-2, weight_decay=0.1)],

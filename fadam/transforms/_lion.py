@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import dtype_for, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._leafwise import map_moments
 from fadam.transforms._validation import check_unit_interval
@@ -46,7 +46,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
 
     def init(params: PyTree) -> ScaleByLionState:
         return ScaleByLionState(
-            zero_count(), tree_map(lambda p: None if p is None else torch.zeros_like(p, dtype=mu_dtype), params)
+            zero_count(),
+            tree_map(lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, mu_dtype)), params),
         )
 
     def update(

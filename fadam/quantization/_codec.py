@@ -1,0 +1,122 @@
+"""Blockwise quantization of one tensor: ``quantize_blockwise`` and ``dequantize_blockwise``.
+
+A tensor is flattened and cut into blocks of ``block_size`` elements (the last one zero-padded). Each block keeps its
+largest finite magnitude ``absmax`` in float32; each element keeps the code of the map entry nearest to
+``x / absmax``: one byte at 8 bits, two codes per byte at 4 bits (low nibble first). Which map decodes the codes is a
+0-d uint8 ``map_id`` computed on the tensor's device from the values themselves (no host sync): a tensor with no
+negative entry uses the non-negative map (twice the resolution at 8 bits; the zero-free linear map at 4 bits, for
+second moments), any other the signed dynamic map. Everything is plain tensor ops on the logical tensor, so under
+``torch.func.vmap`` each stacked member gets its own blocks and its own map.
+
+Non-finite entries never set a block's scale: ``absmax`` is taken over finite entries, ``+-inf`` is stored as
+``+-absmax`` and ``nan`` as 0 (no map has a code for them).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fadam.quantization._maps import MAP_IDS, Tables, decode, encode
+
+__all__ = ["QuantizedArray", "dequantize_blockwise", "quantize_blockwise"]
+
+
+class QuantizedArray(NamedTuple):
+    """A blockwise-quantized tensor; its shape is its param's (known to whoever holds both)."""
+
+    codes: torch.Tensor  # uint8: n codes (8-bit) or ceil(n / 2) bytes of two codes (4-bit)
+    absmax: torch.Tensor  # float32, one per block of block_size elements
+    map_id: torch.Tensor  # 0-d uint8: which map of fadam.quantization._maps.MAP_IDS decodes the codes
+
+
+def map_pair(bits: int) -> tuple[int, int]:
+    """(signed map, non-negative map) ids for ``bits``."""
+    if bits == 8:
+        return MAP_IDS["dynamic8_signed"], MAP_IDS["dynamic8_unsigned"]
+    if bits == 4:
+        return MAP_IDS["dynamic4_signed"], MAP_IDS["linear4_nonzero"]
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    n = flat.shape[-1]
+    padded = -(-n // block_size) * block_size
+    if padded != n:
+        flat = F.pad(flat, (0, padded - n))
+    return flat.reshape(padded // block_size, block_size)
+
+
+def encode_rows(
+    rows: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes each row of a float32 ``(blocks, block_size)`` tensor as one block: ``(codes, absmax)``, codes
+    shaped ``(blocks, block_size)`` at 8 bits and ``(blocks, block_size // 2)`` at 4 bits. ``map_id`` is a static int
+    (the fused kernels) or a 0-d tensor read on device."""
+    absmax = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=-1)
+    scale = torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
+    y = torch.nan_to_num(rows / scale, nan=0.0, posinf=1.0, neginf=-1.0).clamp(-1.0, 1.0)
+    codes = encode(y, map_id, tables)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes.to(torch.uint8), absmax
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    codes = codes.to(torch.int32)
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
+    return codes
+
+
+def decode_rows(
+    codes: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
+) -> torch.Tensor:
+    """Inverse of ``encode_rows``."""
+    return decode(unpack_codes(codes, bits), map_id, tables) * absmax.unsqueeze(-1)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, bits: int = 8, block_size: int = 256, map_id: torch.Tensor | None = None
+) -> QuantizedArray:
+    """Quantizes ``x`` (any floating dtype, any shape) blockwise to ``bits`` per element.
+
+    ``map_id`` forces a map (a 0-d uint8 of ``MAP_IDS``); by default it is chosen from the values (see above).
+
+    Example:
+        >>> import torch
+        >>> from fadam.quantization import dequantize_blockwise, quantize_blockwise
+        >>> x = torch.tensor([0.5, -1.0, 0.25, 0.0])  # 0.5 is not a code of the signed map: nearest is 0.5015
+        >>> q = quantize_blockwise(x, bits=8, block_size=2)
+        >>> q.codes.dtype, q.absmax.tolist()
+        (torch.uint8, [1.0, 0.25])
+        >>> dequantize_blockwise(q, x.shape, bits=8, block_size=2)
+        tensor([ 0.5015, -1.0000,  0.2500,  0.0000])
+    """
+    signed, unsigned = map_pair(bits)
+    n = x.numel()
+    blocks = _blocks(x.reshape(-1).to(torch.float32), block_size)
+    if map_id is None:
+        map_id = torch.where((blocks < 0).any(), signed, unsigned).to(torch.uint8)
+    codes, absmax = encode_rows(blocks, bits, map_id)
+    return QuantizedArray(codes.reshape(-1)[: expected_sizes(n, bits, block_size)[0]], absmax, map_id)
+
+
+def dequantize_blockwise(
+    q: QuantizedArray, shape: torch.Size | tuple[int, ...], bits: int = 8, block_size: int = 256
+) -> torch.Tensor:
+    """The float32 tensor of ``shape`` that ``q`` encodes."""
+    map_pair(bits)
+    n = 1
+    for size in shape:
+        n *= size
+    width = block_size if bits == 8 else block_size // 2
+    rows = _blocks(q.codes, width)  # zero-padded codes decode to junk that is sliced off below
+    return decode_rows(rows, q.absmax, bits, q.map_id).reshape(-1)[:n].reshape(shape)
+
+
+def expected_sizes(n: int, bits: int, block_size: int) -> tuple[int, int]:
+    """``(codes, absmax)`` lengths for a tensor of ``n`` elements."""
+    return (n if bits == 8 else -(-n // 2)), -(-n // block_size)

@@ -1,0 +1,243 @@
+"""The fused step of the quantized Adam aliases: dequantize, update and requantize each param in one pass.
+
+``fadam.step(adam8bit(...), params, grads, state, donate=True)`` runs this instead of the chain. Each quantized leaf is
+viewed as ``(blocks, block_size)`` rows; one ``torch.compile``-d function reads a row's codes and gradient, computes
+the new moments and param, takes the row's new absmax and writes the new codes, so every byte of state is read and
+written once (a ragged last block runs the same math eagerly). The learning rate and bias corrections are 0-d tensors
+and the row count becomes a dynamic size after the second shape: at most two compilations per (dtype, bits, block size,
+hyperparameters) serve every param shape and step. The math and its order are ``quantize_state(scale_by_adam)``
+followed by the learning rate and weight decay, as the chain computes them. Codes are decoded with the map they were
+stored with; the new m is encoded with the signed map and the new v with the non-negative one (v >= 0 by
+construction), where the chain picks from the values (it may choose the non-negative map for an m that happens to have
+no negative entry; either decodes). Small leaves (full-precision state) run the same math eagerly. Anything else
+(vmap, autograd, AMSGrad, Nesterov, non-contiguous params, tensor weight decay) takes the chain.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fadam._base import FusedStep, ScalarOrSchedule
+from fadam._dispatch import FUSED_DEVICE_TYPES, is_plain
+from fadam._fused import _advance, _learning_rate
+from fadam._numerics import bias_correction, safe_increment
+from fadam._tree import PyTree, check_leaves
+from fadam.quantization._codec import (
+    QuantizedArray,
+    dequantize_blockwise,
+    encode_rows,
+    expected_sizes,
+    map_pair,
+    quantize_blockwise,
+    unpack_codes,
+)
+from fadam.quantization._maps import Tables, map_values, tables_on
+from fadam.quantization._wrapper import QuantizedState
+from fadam.transforms._adam import ScaleByAdamState
+
+
+def _adam_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
+    config: tuple,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """New (param, m, v) in the chain's order of operations. ``scalars`` = [lr, bc1, bc2_sqrt, decay factor]."""
+    b1, b2, eps, weight_decay, decoupled, maximize = config
+    lr, bc1, bc2_sqrt, factor = scalars[0], scalars[1], scalars[2], scalars[3]
+    if maximize:
+        g = -g
+    if weight_decay and not decoupled:
+        g = torch.add(g, p.to(g.dtype), alpha=weight_decay)
+    g_m, g_v = g.to(m.dtype), g.to(v.dtype)  # as scale_by_adam: in the moments' dtype (float32 when quantized)
+    m = m.lerp(g_m, 1 - b1)
+    v = torch.addcmul(v * b2, g_v, g_v, value=1 - b2)
+    u = ((m / bc1) / (v.sqrt() / bc2_sqrt + eps)).to(g.dtype) * -lr
+    if weight_decay and decoupled:
+        u = u - (p - p * factor.to(p.dtype)).to(u.dtype)
+    return p + u.to(p.dtype), m, v
+
+
+def _rows_step(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    m_map: torch.Tensor,  # the 256 values of the map m was stored with
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    v_map: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
+    tables: Tables,
+    config: tuple,
+    bits: int,
+) -> tuple[torch.Tensor, ...]:
+    # Decode with the stored maps (a state written by the chain may hold m in the non-negative map); encode m with
+    # the signed map and v (non-negative by construction) with the non-negative one.
+    signed, unsigned = map_pair(bits)
+    m = m_map[unpack_codes(m_codes, bits)] * m_absmax.unsqueeze(-1)
+    v = v_map[unpack_codes(v_codes, bits)] * v_absmax.unsqueeze(-1)
+    p_new, m, v = _adam_math(p, g, m, v, scalars, config)
+    return (p_new, *encode_rows(m, bits, signed, tables), *encode_rows(v, bits, unsigned, tables))
+
+
+def _rows_step_inplace(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    m_map: torch.Tensor,  # the 256 values of the map m was stored with
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    v_map: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
+    tables: Tables,
+    config: tuple,
+    bits: int,
+) -> None:
+    new = _rows_step(p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map, scalars, tables, config, bits)
+    for target, value in zip((p, m_codes, m_absmax, v_codes, v_absmax), new):
+        target.copy_(value)
+
+
+_compiled: list[Callable[..., Any]] = []
+
+
+def _kernel() -> Callable[..., Any]:
+    # One compiled function; hyperparameters reach it as constants (a change recompiles), the lr and bias corrections
+    # as 0-d tensors (a change does not). The first param shape compiles a static kernel; the second shape seen
+    # recompiles once with a dynamic row count (torch's automatic dynamic shapes), which then serves all.
+    if not _compiled:
+        compiled = torch.compile(_rows_step_inplace, fullgraph=True)
+
+        def run(*args: Any) -> None:
+            try:
+                compiled(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. no C++ compiler: same math, eagerly
+                warnings.warn(
+                    f"fadam: compiling the quantized Adam step failed ({err}); running it eagerly", stacklevel=3
+                )
+                _compiled[0] = _rows_step_inplace
+                _rows_step_inplace(*args)
+
+        _compiled.append(run)
+    return _compiled[0]
+
+
+def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = t.view(-1)
+    return flat[: rows * width].view(rows, width), flat[rows * width :].view(1, -1)
+
+
+def fused_quantized_adam_step(
+    *,
+    adam_index: int,
+    lr: ScalarOrSchedule,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float | torch.Tensor,
+    decoupled: bool,
+    maximize: bool,
+    bits: int,
+    block_size: int,
+    compile: bool = True,
+) -> FusedStep:
+    config = (b1, b2, eps, weight_decay, decoupled, maximize)
+
+    def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
+        if isinstance(weight_decay, torch.Tensor):
+            return None
+        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        wrapper_state = state[adam_index]
+        adam_state = wrapper_state.inner_state
+        mus = spec.flatten_up_to(adam_state.mu)
+        nus = spec.flatten_up_to(adam_state.nu)
+        tensors = [*param_leaves, *grad_leaves]
+        for m, v, p in zip(mus, nus, param_leaves):
+            if isinstance(m, QuantizedArray) != isinstance(v, QuantizedArray):
+                return None
+            if isinstance(m, QuantizedArray):
+                tensors += [*m, *v]
+                if not p.is_contiguous() or p.is_complex():
+                    return None
+                if (m.codes.shape[-1], m.absmax.shape[-1]) != expected_sizes(p.numel(), bits, block_size):
+                    return None  # the chain raises the error that names the leaf
+            else:
+                tensors += [m, v]
+        if not all(t is not None and is_plain(t) and t.device.type in FUSED_DEVICE_TYPES for t in tensors) or any(
+            p.dtype != g.dtype or not p.is_floating_point() for p, g in zip(param_leaves, grad_leaves)
+        ):
+            return None
+        lr_value = _learning_rate(lr, state[adam_index + 1])
+        if lr_value is None or (isinstance(lr_value, torch.Tensor) and lr_value.device.type != "cpu"):
+            return None  # reading an accelerator lr here would sync; the chain handles it
+        count = safe_increment(adam_state.count)
+        bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
+        factor = 1 - lr_value * weight_decay  # the decoupled decay factor, as add_decoupled_weight_decay computes it
+        scalars64 = torch.stack(
+            [torch.as_tensor(x, dtype=torch.float64).reshape(()) for x in (lr_value, bc1, bc2.sqrt(), factor)]
+        )
+        on_device = {}
+        for p in param_leaves:
+            if p.device not in on_device:  # one copy per device and step, asynchronous on accelerators
+                cpu = scalars64.to(torch.float32)
+                moved = cpu if p.device.type == "cpu" else cpu.pin_memory().to(p.device, non_blocking=True)
+                # separate 0-d tensors: a (4,) tensor would share its size with a 4-row param and pin it
+                on_device[p.device] = tuple(moved.unbind())
+        new_params, new_mus, new_nus = [], [], []
+        with torch.no_grad():
+            for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
+                if not isinstance(m, QuantizedArray):
+                    p_new, m_new, v_new = _adam_math(p, g, m, v, on_device[p.device], config)
+                    if donate:
+                        for target, value in ((p, p_new), (m, m_new), (v, v_new)):
+                            target.copy_(value)
+                        p_new, m_new, v_new = p, m, v
+                else:
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], donate)
+                new_params.append(p_new)
+                new_mus.append(m_new)
+                new_nus.append(v_new)
+        new_adam = ScaleByAdamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
+        new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
+        return spec.unflatten(new_params), new_state
+
+    def _quantized_leaf(p, g, m, v, scalars, donate):
+        device = p.device
+        signed, unsigned = map_pair(bits)
+        if not donate:
+            p, m, v = p.clone(), QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
+        rows = p.numel() // block_size
+        width = block_size if bits == 8 else block_size // 2
+        if rows:
+            p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g.contiguous(), rows, block_size)[0]
+            m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
+            tables = tables_on(device)
+            m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
+            args = (p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map, scalars)
+            run = _kernel() if compile else _rows_step_inplace
+            run(*args, tables, config, bits)
+        tail = p.numel() - rows * block_size
+        new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
+        new_v_map = torch.full_like(v.map_id, unsigned)
+        if tail:  # the ragged last block, eagerly, with the same math and the codec's padding
+            p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
+            m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
+            m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)
+            v_full = dequantize_blockwise(v_tail, (tail,), bits, block_size)
+            p_new, m_full, v_full = _adam_math(p_tail, g_tail, m_full, v_full, scalars, config)
+            p_tail.copy_(p_new)
+            for old, full, map_id in ((m_tail, m_full, new_m_map), (v_tail, v_full, new_v_map)):
+                new = quantize_blockwise(full, bits, block_size, map_id=map_id)
+                old.codes.copy_(new.codes)
+                old.absmax.copy_(new.absmax)
+        return p, m._replace(map_id=new_m_map), v._replace(map_id=new_v_map)
+
+    return fused_step

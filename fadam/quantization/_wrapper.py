@@ -1,0 +1,181 @@
+"""``quantize_state``: keep any transform's large floating-point state blockwise-quantized between steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fadam._base import GradientTransformation
+from fadam._tree import PyTree, path_str
+from fadam.combinators._masking import MaskedNode
+from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise
+
+__all__ = ["QuantizedState", "quantize_state"]
+
+DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
+
+
+class QuantizedState(NamedTuple):
+    inner_state: PyTree  # the inner transform's state with its large moments replaced by QuantizedArray nodes
+
+
+def _is_atom(node: Any) -> bool:
+    return isinstance(node, (QuantizedArray, MaskedNode))
+
+
+def _flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    return optree.tree_flatten(tree, is_leaf=_is_atom, none_is_leaf=True)
+
+
+def _param_positions(state: PyTree, params_spec: optree.PyTreeSpec) -> list[int | None]:
+    """For each leaf of ``state`` (as ``_flatten`` lists them), the index of the param leaf it stands for, or None.
+
+    A state subtree corresponds to the params when it has their exact structure (``mu`` and ``nu`` of Adam, the trace
+    of momentum, the inner states of ``masked`` with their ``MaskedNode`` holes): this is structural, so it works for
+    any transform whose per-param state is shaped like the params, and never looks at field names.
+    """
+
+    def structure(node: Any) -> optree.PyTreeSpec:
+        return optree.tree_structure(node, is_leaf=_is_atom, none_is_leaf=True)
+
+    groups = optree.tree_leaves(
+        state, is_leaf=lambda node: _is_atom(node) or structure(node) == params_spec, none_is_leaf=True
+    )
+    positions: list[int | None] = []
+    for group in groups:
+        spec = structure(group)
+        positions.extend(range(spec.num_leaves) if spec == params_spec else [None] * spec.num_leaves)
+    return positions
+
+
+def _mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[Any]:
+    """``mask`` broadcast to one bool per leaf of ``_flatten(params)`` (a ``MaskedNode`` hole counts as a leaf)."""
+    prefix = mask(params) if callable(mask) else mask
+    try:
+        full = optree.tree_broadcast_prefix(prefix, params, is_leaf=_is_atom, none_is_leaf=True)
+    except ValueError as err:
+        raise ValueError(f"mask is not a prefix of the params tree: {err}") from None
+    flags = _flatten(full)[0]
+    for flag, path in zip(flags, _flatten(params)[1].paths()):
+        if not isinstance(flag, bool):
+            raise TypeError(f"mask leaf for {path_str(path)} is {flag!r}; expected a bool")
+    return flags
+
+
+def quantize_state(
+    inner: GradientTransformation,
+    bits: int = 8,
+    block_size: int | None = None,
+    min_size: int = 4096,
+    mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+) -> GradientTransformation:
+    r"""Stores the inner transform's large floating-point state blockwise-quantized to 8 or 4 bits.
+
+    .. math::
+        (u_t, s_t) = \mathrm{inner.update}(g_t, \mathrm{deq}(\hat s_{t-1})),\qquad \hat s_t = \mathrm{quant}(s_t)
+
+    ``update`` dequantizes the state to float32, runs the inner update in full precision and requantizes the new state
+    with each block's new absmax; the returned updates are the inner transform's, computed from the dequantized state.
+    A state leaf is quantized when it sits in a subtree shaped like the params (Adam's ``mu``/``nu``, a momentum
+    trace), is floating point (not complex), has its param's shape, and its param has at least ``min_size`` elements
+    (the global count for a DTensor, so sharding never changes the choice) and is selected by ``mask``. Counts, small
+    tensors and everything else stay as they are.
+
+    The map of each leaf is chosen on device at every requantization, with no host sync: a leaf with no negative entry
+    (Adam's ``nu``, AMSGrad's ``nu_max``) gets the unsigned dynamic map at 8 bits (twice the resolution) or the
+    zero-free linear map at 4 bits; any other the signed dynamic map (Dettmers et al., 2022; Li et al., 2023). A
+    non-finite entry never sets its block's scale (see ``quantize_blockwise``); the update of that step is whatever the
+    inner transform computes for it. A ``None`` update leaves its quantized state untouched, as the inner transform
+    leaves its state.
+
+    Args:
+        inner: the transform whose state to quantize.
+        bits: 8 or 4.
+        block_size: elements per block sharing one float32 absmax (default 256 at 8 bits, 128 at 4 bits).
+        min_size: params with fewer elements keep full-precision state.
+        mask: a tree of bools shaped like the params (or a prefix, or a callable of the params): False keeps that
+            param's state in full precision.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.quantize_state(fadam.scale_by_adam(), bits=8, min_size=16)
+        >>> params = {"w": torch.zeros(64), "b": torch.zeros(4)}
+        >>> state = tx.init(params)
+        >>> type(state.inner_state.mu["w"]).__name__, type(state.inner_state.mu["b"]).__name__
+        ('QuantizedArray', 'Tensor')
+        >>> updates, state = tx.update({"w": torch.ones(64), "b": torch.ones(4)}, state)
+        >>> updates["w"][:2]
+        tensor([1.0000, 1.0000])
+
+    References:
+        Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022.
+        Li et al., "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023.
+    """
+    if bits not in DEFAULT_BLOCK_SIZE:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    block = DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size
+    if not isinstance(block, int) or block < 2 or block % 2:
+        raise ValueError(f"block_size must be an even int >= 2, got {block_size!r}")
+    if min_size < 0:
+        raise ValueError(f"min_size must be >= 0, got {min_size}")
+
+    def init(params: PyTree) -> QuantizedState:
+        inner_state = inner.init(params)
+        param_leaves, params_spec = _flatten(params)
+        selected = [True] * len(param_leaves) if mask is None else _mask_leaves(mask, params)
+        leaves, spec = _flatten(inner_state)
+        new_leaves = []
+        for leaf, position in zip(leaves, _param_positions(inner_state, params_spec)):
+            param = None if position is None else param_leaves[position]
+            if (
+                isinstance(leaf, torch.Tensor)
+                and isinstance(param, torch.Tensor)
+                and leaf.is_floating_point()
+                and leaf.shape == param.shape
+                and param.numel() >= min_size
+                and selected[position]
+            ):
+                leaf = quantize_blockwise(leaf, bits, block)
+            new_leaves.append(leaf)
+        return QuantizedState(spec.unflatten(new_leaves))
+
+    def update(
+        updates: PyTree, state: QuantizedState, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, QuantizedState]:
+        update_leaves, updates_spec = _flatten(updates)
+        leaves, spec = _flatten(state.inner_state)
+        paths = spec.paths()
+        full, passed = list(leaves), {}
+        for index, (leaf, position) in enumerate(zip(leaves, _param_positions(state.inner_state, updates_spec))):
+            if not isinstance(leaf, QuantizedArray):
+                continue
+            if position is None:
+                raise ValueError(f"quantized state at {path_str(paths[index])} has no matching leaf in the updates")
+            g = update_leaves[position]
+            if g is None:  # skipped param: the inner transform leaves this state as it is; a placeholder stands in
+                full[index] = passed[index] = torch.empty(0)
+                continue
+            if not isinstance(g, torch.Tensor):
+                raise ValueError(f"updates leaf for state {path_str(paths[index])}: expected a tensor, got {g!r}")
+            sizes = (leaf.codes.shape[-1], leaf.absmax.shape[-1]) if leaf.codes.dim() else (-1, -1)
+            if sizes != expected_sizes(g.numel(), bits, block):
+                raise ValueError(
+                    f"quantized state at {path_str(paths[index])} holds {sizes[0]} codes and {sizes[1]} blocks, but "
+                    f"its update has shape {tuple(g.shape)} (expected {expected_sizes(g.numel(), bits, block)})"
+                )
+            full[index] = passed[index] = dequantize_blockwise(leaf, g.shape, bits, block)
+        new_updates, new_inner = inner.update(updates, spec.unflatten(full), params, **extra_args)
+        new_leaves, new_spec = _flatten(new_inner)
+        if new_spec != spec:
+            raise ValueError("the inner transform changed the structure of its state; it cannot be quantized")
+        for index, old in passed.items():
+            # A leaf returned untouched keeps its codes exactly (no needless requantization).
+            new_leaves[index] = (
+                leaves[index] if new_leaves[index] is old else quantize_blockwise(new_leaves[index], bits, block)
+            )
+        return new_updates, QuantizedState(new_spec.unflatten(new_leaves))
+
+    return GradientTransformation(init, update)
