@@ -1,0 +1,6 @@
+"""Paged optimizer state: the inner state lives in host memory or in a file and is streamed to the device."""
+
+from fadam.paging._storage import PagedStateFileError
+from fadam.paging._wrapper import PagedState, page_state
+
+__all__ = ["PagedState", "PagedStateFileError", "page_state"]

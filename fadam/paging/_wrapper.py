@@ -1,0 +1,512 @@
+"""``page_state``: keep any transform's state off the compute device and stream it in, chunk by chunk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from fadam._base import FusibleUpdate, GradientTransformation
+from fadam._dispatch import is_plain
+from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
+from fadam.paging._storage import (
+    Commit,
+    LeafPlace,
+    PagedStateFileError,
+    StateFile,
+    host_buffers,
+    leaf_places,
+    view_leaf,
+)
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class PagedState(NamedTuple):
+    """The state of ``page_state``: where the inner state lives and how it is laid out, never the state itself on
+    the compute device."""
+
+    serial: torch.Tensor  # 0-d int64: the commit this state is (disk: names the slot holding it)
+    store_id: torch.Tensor  # 0-d int64: the disk file's random id (0 for host storage)
+    chunks: tuple[torch.Tensor, ...]  # per chunk: int64 indices of the param leaves it covers
+    layout: tuple[PyTree, ...]  # per chunk: the inner state, every tensor leaf replaced by a meta tensor
+    placement: tuple[torch.Tensor, ...]  # per chunk, per tensor leaf: 1 = lives on the params' device, 0 = on the CPU
+    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # host storage: per chunk (current, spare); disk: ()
+
+
+class _Chunk(NamedTuple):
+    spec: Any
+    meta_leaves: list[Any]
+    places: list[LeafPlace]
+    size: int
+    on_device: list[bool]  # per place
+
+
+def _chunk(layout: PyTree, placement: torch.Tensor) -> _Chunk:
+    meta_leaves, spec = tree_flatten(layout)
+    places, size = leaf_places(meta_leaves)
+    return _Chunk(spec, meta_leaves, places, size, [bool(x) for x in placement.tolist()])
+
+
+def _describe(layout: PyTree, group: list[int]) -> dict:
+    meta_leaves, spec = tree_flatten(layout)
+    places, size = leaf_places(meta_leaves)
+    leaves = [[list(place.shape), str(place.dtype).removeprefix("torch.")] for place in places]
+    return {"params": group, "tree": str(spec), "leaves": leaves, "size": size}
+
+
+def _tensor_bytes(tree: PyTree) -> int:
+    return sum(x.numel() * x.element_size() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
+
+
+def _plan(inner: GradientTransformation, leaves: list[Any], chunk_bytes: int) -> list[list[int]]:
+    """Groups consecutive param leaves of one device into chunks of about ``chunk_bytes`` of inner state each."""
+    groups: list[list[int]] = []
+    size, device = 0, None
+    for index, leaf in enumerate(leaves):
+        nbytes = _tensor_bytes(inner.init([leaf]))
+        leaf_device = leaf.device if isinstance(leaf, torch.Tensor) else None
+        if not groups or leaf_device != device or (size + nbytes > chunk_bytes and groups[-1]):
+            groups.append([])
+            size, device = 0, leaf_device
+        groups[-1].append(index)
+        size += nbytes
+    return groups
+
+
+def _first_difference(found: dict, expected: dict) -> str:
+    chunks_found, chunks_expected = found["chunks"], expected["chunks"]
+    if len(chunks_found) != len(chunks_expected):
+        return f"it has {len(chunks_found)} chunks, this model and optimizer make {len(chunks_expected)}"
+    for k, (a, b) in enumerate(zip(chunks_found, chunks_expected)):
+        if a["params"] != b["params"]:
+            return f"chunk {k} covers param leaves {a['params'][:8]}..., expected {b['params'][:8]}..."
+        if a["tree"] != b["tree"]:
+            return f"chunk {k} has state structure {a['tree']}, expected {b['tree']}"
+        for i, (x, y) in enumerate(zip(a["leaves"], b["leaves"])):
+            if x != y:
+                return f"chunk {k} state leaf {i} is {x[1]}{tuple(x[0])}, expected {y[1]}{tuple(y[0])}"
+        if len(a["leaves"]) != len(b["leaves"]):
+            return f"chunk {k} has {len(a['leaves'])} state leaves, expected {len(b['leaves'])}"
+    return "the descriptions differ"
+
+
+class _Streams:
+    """CUDA side streams: host-to-device copies of the next chunk and device-to-host write-back of the previous one
+    run while the current chunk computes on the caller's stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.main = torch.cuda.current_stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+
+def _materialize(buffer: torch.Tensor | None, chunk: _Chunk, device: torch.device, streams: _Streams | None) -> PyTree:
+    """One chunk's inner state on ``device``: CPU leaves are views of ``buffer``; device leaves are copies, made on
+    the copy stream when ``streams`` is given (the caller waits for them with ``_Fetched.wait``)."""
+    leaves = list(chunk.meta_leaves)
+    for place, on_device in zip(chunk.places, chunk.on_device):
+        view = view_leaf(buffer, place)
+        if on_device and device.type != "cpu":
+            if streams is not None:
+                with torch.cuda.stream(streams.h2d):
+                    view = view.to(device, non_blocking=True)
+            else:
+                view = view.to(device)
+        leaves[place.index] = view
+    return chunk.spec.unflatten(leaves)
+
+
+class _Session:
+    """One update's access to the storage: the buffer to read each chunk from, the buffer to write it to, and the
+    commit at the end."""
+
+    def __init__(self, state: PagedState, state_file: StateFile | None, durable: bool) -> None:
+        self.state, self.file, self.durable = state, state_file, durable
+        if state_file is not None:
+            if int(state.store_id) != state_file.file_id:
+                raise PagedStateFileError(
+                    f"this paged state belongs to another file than {state_file.path} (was the file re-created "
+                    "by another init?)"
+                )
+            self.read_commit = state_file.find(int(state.serial))
+            self.write_commit: Commit | None = None
+
+    def begin(self) -> None:
+        if self.file is not None:
+            self.write_commit = self.file.begin(self.read_commit, self.durable)
+
+    def read(self, k: int) -> torch.Tensor | None:
+        if self.file is None:
+            return self.state.buffers[k][0]
+        return self.file.window(k, self.read_commit.slot, write=False)
+
+    def write(self, k: int) -> torch.Tensor | None:
+        if self.file is None:
+            return self.state.buffers[k][1]
+        return self.file.window(k, self.write_commit.slot, write=True)
+
+    def advise(self, k: int) -> None:
+        if self.file is not None:
+            self.file.advise(k, self.read_commit.slot)
+
+    def finish(self) -> PagedState:
+        state = self.state
+        if self.file is None:
+            buffers = tuple((spare, current) for current, spare in state.buffers)
+            return state._replace(serial=state.serial + 1, buffers=buffers)
+        self.file.commit(self.write_commit, self.durable)
+        return state._replace(serial=torch.tensor(self.write_commit.serial, dtype=torch.int64))
+
+
+def page_state(
+    inner: GradientTransformation,
+    storage: Literal["host", "disk"] = "host",
+    path: str | os.PathLike | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    per_leaf: bool = False,
+    resume: bool = False,
+    durable: bool = False,
+) -> GradientTransformation:
+    r"""Keeps ``inner``'s state in host memory or in a file and streams it to the compute device during ``update``.
+
+    The results are bit-identical to ``inner``'s: each chunk of state is copied to the device of its gradients,
+    ``inner`` updates it there, and the new state is written back to storage:
+
+    .. math::
+        (u_k, s_k') = \mathrm{inner.update}(g_k, \mathrm{fetch}(s_k), p_k), \quad \mathrm{store}(s_k'),
+        \quad k = 1, \dots, K
+
+    **Chunks.** With ``per_leaf=True`` the params are split into chunks of consecutive leaves holding about
+    ``chunk_bytes`` of inner state each, and ``inner`` runs on each chunk separately, with its own state (its params
+    are a list of that chunk's leaves). This is exact only for transforms whose update of one param leaf never looks
+    at another (Adam, AdamW, SGD, quantized state): declare it with ``per_leaf=True``. Anything that couples leaves
+    (``clip_by_global_norm``, a global norm) must use the default ``per_leaf=False``: the whole state is one chunk,
+    streamed in, updated once, streamed out; still bit-identical, but all of it is on the device during the update.
+    A single leaf is never split. At most two chunks of state are materialized at once: the one being updated and
+    the next one, whose copy runs while the current one computes (on CUDA on a side stream from page-locked memory;
+    from disk the kernel reads the next chunk ahead).
+
+    **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
+    ``"disk"``: a file at ``path`` mapped one chunk at a time, so the state may exceed RAM and resident memory stays at
+    about two chunks. The file is a checkpoint: ``page_state(..., resume=True)``'s ``init`` reopens it after checking
+    that it belongs to the same model and optimizer. It keeps two copies of the state; an update writes the other copy
+    and then flips a commit record, so a killed process leaves either the previous or the new step, never a mix, and a
+    file whose creation was interrupted is reported as incomplete. ``durable=True`` also flushes to the disk before
+    each commit (power-loss safety, at the cost of writing the state to the disk every step).
+
+    **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
+    returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
+    be retried from the state before it (a skipped step); a state older than that is refused as stale on disk (on the
+    host its buffers hold newer data: keep only the latest two). ``fadam.step`` applies each chunk's updates as soon as
+    they are computed, so with ``per_leaf=True`` the full update tree is never materialized either.
+
+    Args:
+        inner: the transform whose state is paged.
+        storage: ``"host"`` or ``"disk"``.
+        path: the state file for ``"disk"`` (a fresh file in the temp directory, deleted at exit, if ``None``).
+        chunk_bytes: target bytes of inner state per chunk (``per_leaf=True`` only).
+        per_leaf: ``inner`` treats each param leaf independently, so it may run chunk by chunk.
+        resume: ``init`` reopens the existing file at ``path`` instead of creating it.
+        durable: ``fsync`` the file before each commit.
+
+    Example:
+        >>> import torch, fadam
+        >>> params = {"w": torch.tensor([1.0, -1.0])}
+        >>> tx = fadam.page_state(fadam.adam(lr=0.1), per_leaf=True)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": torch.tensor([0.5, -0.5])}, state, params)
+        >>> fadam.apply_updates(params, updates)["w"]
+        tensor([ 0.9000, -0.9000])
+
+    References:
+        Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022 (paged optimizers).
+        Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", 2021.
+    """
+    if storage not in ("host", "disk"):
+        raise ValueError(f"storage must be 'host' or 'disk', got {storage!r}")
+    if storage == "host" and (path is not None or resume):
+        raise ValueError("path and resume apply to storage='disk' only")
+    if not chunk_bytes > 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if path is None and resume:
+        raise ValueError("resume=True needs the path of the state file")
+    file_path = os.fspath(path) if path is not None else None
+
+    def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
+        return [leaves[i] for i in group] if per_leaf else params
+
+    def init(params: PyTree) -> PagedState:
+        nonlocal file_path
+        leaves, _ = tree_flatten(params)
+        if per_leaf:
+            groups = _plan(inner, leaves, chunk_bytes)
+        else:
+            devices = {leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)}
+            if len(devices) > 1:
+                names = sorted(map(str, devices))
+                raise ValueError(f"page_state with per_leaf=False needs params on one device, got {names}")
+            groups = [list(range(len(leaves)))]
+        pin = (
+            storage == "host"
+            and torch.cuda.is_available()
+            and any(isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" for leaf in leaves)
+        )
+        if storage == "disk" and file_path is None:
+            file_path = _temporary_path(update)
+        layouts, placements, buffers, descriptions = [], [], [], []
+
+        def build(write_chunk: Callable[[dict, list[Any], list[LeafPlace]], None] | None) -> None:
+            for group in groups:
+                inner_state = inner.init(chunk_params(leaves, params, group))
+                state_leaves, spec = tree_flatten(inner_state)
+                layouts.append(
+                    spec.unflatten(
+                        [
+                            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                            for x in state_leaves
+                        ]
+                    )
+                )
+                placements.append(
+                    torch.tensor(
+                        [x.device.type != "cpu" for x in state_leaves if isinstance(x, torch.Tensor)], dtype=torch.uint8
+                    )
+                )
+                description = _describe(layouts[-1], group)
+                descriptions.append(description)
+                if write_chunk is not None:
+                    write_chunk(description, state_leaves, leaf_places(state_leaves)[0])
+
+        def write_host(description: dict, state_leaves: list[Any], places: list[LeafPlace]) -> None:
+            current, spare = host_buffers(description["size"], pin)
+            for place in places:
+                view_leaf(current, place).copy_(state_leaves[place.index])
+            buffers.append((current, spare))
+
+        store_id = 0
+        if storage == "host":
+            build(write_host)
+        elif resume:
+            build(None)
+            state_file = StateFile.open(file_path)
+            try:
+                found = state_file.description
+                expected = {"version": found["version"], "chunks": descriptions}
+                stripped = {**found, "chunks": [{k: v for k, v in c.items() if k != "offset"} for c in found["chunks"]]}
+                if stripped != expected:
+                    raise PagedStateFileError(
+                        f"{file_path} holds the state of a different model or optimizer: "
+                        f"{_first_difference(stripped, expected)}"
+                    )
+                serial, store_id = state_file.latest().serial, state_file.file_id
+            finally:
+                state_file.close()
+        else:
+            with StateFile.create(file_path, durable) as builder:
+                build(builder.add_chunk)
+                store_id, serial = builder.file_id, 1
+        if storage == "host":
+            serial = 0
+        return PagedState(
+            torch.tensor(serial, dtype=torch.int64),
+            torch.tensor(store_id, dtype=torch.int64),
+            tuple(torch.tensor(group, dtype=torch.int64) for group in groups),
+            tuple(layouts),
+            tuple(placements),
+            tuple(buffers),
+        )
+
+    def run(
+        updates: PyTree,
+        state: PagedState,
+        params: PyTree | None,
+        extra_args: dict[str, Any],
+        consume: Callable[[list[int], PyTree], None],
+    ) -> PagedState:
+        """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits."""
+        if not isinstance(state, PagedState):
+            raise ValueError(f"page_state expected a PagedState, got {type(state).__name__}")
+        grad_leaves, _ = tree_flatten(updates)
+        groups = [group.tolist() for group in state.chunks]
+        count = sum(len(group) for group in groups)
+        if len(grad_leaves) != count:
+            raise ValueError(f"updates have {len(grad_leaves)} leaves but the paged state was built for {count} params")
+        if params is not None:
+            check_leaves(updates, params)
+        if storage == "disk" and file_path is None:
+            raise PagedStateFileError("this paged state's file was never created: call init first")
+        param_leaves = tree_flatten(params)[0] if params is not None else None
+        chunks = [_chunk(layout, placement) for layout, placement in zip(state.layout, state.placement)]
+        if storage == "host" and len(state.buffers) != len(chunks):
+            raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
+        state_file = StateFile.open(file_path) if storage == "disk" else None
+        try:
+            session = _Session(state, state_file, durable)
+            session.begin()
+            for k, chunk in enumerate(_pipeline(session, chunks, groups, grad_leaves)):
+                group = groups[k]
+                grads_k = [grad_leaves[i] for i in group] if per_leaf else updates
+                params_k = None if param_leaves is None else chunk_params(param_leaves, params, group)
+                chunk_updates, new_state = inner.update(grads_k, chunk.state, params_k, **extra_args)
+                new_leaves = _checked(new_state, chunks[k], k)
+                chunk.store(new_leaves)
+                consume(group, chunk_updates)
+                del chunk, new_state, new_leaves
+            return session.finish()
+        finally:
+            if state_file is not None:
+                state_file.close()
+
+    def update(
+        updates: PyTree, state: PagedState, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PagedState]:
+        grad_leaves, spec = tree_flatten(updates)
+        out: list[Any] = [None] * len(grad_leaves)
+        whole: list[PyTree] = []
+
+        def collect(group: list[int], chunk_updates: PyTree) -> None:
+            if not per_leaf:
+                whole.append(chunk_updates)
+                return
+            for i, u in zip(group, chunk_updates):
+                out[i] = u
+
+        new_state = run(updates, state, params, extra_args, collect)
+        return (whole[0] if whole else spec.unflatten(out)), new_state
+
+    def fused_step(params: PyTree, grads: PyTree, state: PagedState, donate: bool) -> tuple[PyTree, PagedState] | None:
+        # applies each chunk's updates as soon as they exist, so the full update tree is never materialized
+        if not per_leaf:
+            return None
+        _grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        new_params = list(param_leaves)
+
+        def apply(group: list[int], chunk_updates: list[torch.Tensor | None]) -> None:
+            for i, u in zip(group, chunk_updates):
+                if u is None:
+                    continue
+                p = param_leaves[i]
+                u = u if u.dtype == p.dtype else u.to(p.dtype)
+                if donate and is_plain(p):
+                    with torch.no_grad():
+                        p.add_(u)
+                else:
+                    new_params[i] = p + u
+
+        new_state = run(grads, state, params, {}, apply)
+        return spec.unflatten(new_params), new_state
+
+    return GradientTransformation(init, FusibleUpdate(update, fused_step))
+
+
+class _Fetched:
+    """One chunk's state on the compute device, and how its new state goes back to storage."""
+
+    def __init__(self, state: PyTree, store: Callable[[list[Any]], None]) -> None:
+        self.state, self.store = state, store
+
+
+def _pipeline(
+    session: _Session, chunks: list[_Chunk], groups: list[list[int]], grad_leaves: list[Any]
+) -> Iterator[_Fetched]:
+    """Yields each chunk's state ready for compute, having started the copy of the next one.
+
+    On CUDA with page-locked host storage the next chunk's host-to-device copy and the previous chunk's write-back
+    run on side streams; before a chunk is fetched, the write-back of the chunk two before it is waited for, so at most
+    two chunks (each with its updated copy) are on the device. Elsewhere copies are synchronous and the kernel is
+    asked to read the next chunk ahead from disk.
+    """
+    devices = [_compute_device(group, grad_leaves) for group in groups]
+    pinned = session.file is None and any(b[0].is_pinned() for b in session.state.buffers[:1])
+    streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
+
+    def fetch(k: int) -> tuple[PyTree, Any]:
+        stream = streams.get(devices[k])
+        buffer = session.read(k)
+        state = _materialize(buffer, chunks[k], devices[k], stream)
+        event = stream.h2d.record_event() if stream is not None else None
+        return state, event
+
+    written: list[Any] = []
+    pending = fetch(0) if chunks else None
+    for k in range(len(chunks)):
+        state, event = pending
+        stream = streams.get(devices[k])
+        if stream is not None and written:
+            written[-1].synchronize()  # bounds the device-resident state to this chunk and the next
+        if k + 1 < len(chunks):
+            session.advise(k + 1)
+            pending = fetch(k + 1)
+        if stream is not None:
+            stream.main.wait_event(event)
+            for leaf in tree_flatten(state)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                    leaf.record_stream(stream.main)
+        buffer = session.write(k)
+
+        def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
+            if stream is None:
+                for place in chunks[k].places:
+                    view_leaf(buffer, place).copy_(new_leaves[place.index])
+                written.append(None)
+                return
+            done = stream.main.record_event()
+            with torch.cuda.stream(stream.d2h):
+                stream.d2h.wait_event(done)
+                for place in chunks[k].places:
+                    leaf = new_leaves[place.index]
+                    view_leaf(buffer, place).copy_(leaf, non_blocking=True)
+                    if leaf.device.type == "cuda":
+                        leaf.record_stream(stream.d2h)
+            written.append(stream.d2h.record_event())
+
+        yield _Fetched(state, store)
+        del state, buffer, store
+    for stream in streams.values():
+        stream.d2h.synchronize()
+
+
+def _compute_device(group: list[int], grad_leaves: list[Any]) -> torch.device:
+    for i in group:
+        g = grad_leaves[i]
+        if isinstance(g, torch.Tensor):
+            return g.device
+    return torch.device("cpu")
+
+
+def _checked(new_state: PyTree, chunk: _Chunk, k: int) -> list[Any]:
+    """The new state's leaves, after checking that ``inner`` kept the layout the storage was built for."""
+    leaves, spec = tree_flatten(new_state)
+    if spec != chunk.spec:
+        raise RuntimeError(f"the inner transform changed its state structure in chunk {k}: {spec} vs {chunk.spec}")
+    for index, (leaf, meta) in enumerate(zip(leaves, chunk.meta_leaves)):
+        where = f"chunk {k} state leaf {path_str(spec.paths()[index])}"
+        if isinstance(meta, torch.Tensor):
+            if not isinstance(leaf, torch.Tensor) or leaf.shape != meta.shape or leaf.dtype != meta.dtype:
+                raise RuntimeError(
+                    f"the inner transform returned {type(leaf).__name__} {getattr(leaf, 'dtype', '')}"
+                    f"{tuple(getattr(leaf, 'shape', ()))} at {where}, its storage holds {meta.dtype}{tuple(meta.shape)}"
+                )
+        elif leaf is not meta and leaf != meta:
+            raise RuntimeError(f"paged state holds tensors only; the non-tensor leaf at {where} changed")
+    return leaves
+
+
+def _temporary_path(owner: Callable[..., Any]) -> str:
+    """A fresh state file in the temp directory, removed when the transform is garbage collected or at exit."""
+    fd, path = tempfile.mkstemp(prefix="fadam-paged-", suffix=".state")
+    os.close(fd)
+    weakref.finalize(owner, _remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
