@@ -28,6 +28,7 @@ from fadam._tree import (
 from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.paging import PagedState, PagedStateFileError, page_state, paged_adam, paged_adamw
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
 from fadam.transforms._clipping import clip, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
@@ -45,6 +46,8 @@ __all__ = [
     "GradientTransformationExtraArgs",
     "MaskedNode",
     "MaskedState",
+    "PagedState",
+    "PagedStateFileError",
     "PartitionState",
     "ScalarOrSchedule",
     "ScaleByAdamState",
@@ -64,6 +67,9 @@ __all__ = [
     "identity",
     "masked",
     "named_chain",
+    "page_state",
+    "paged_adam",
+    "paged_adamw",
     "partition",
     "scale",
     "scale_by_adam",

@@ -24,6 +24,7 @@ import mmap
 import os
 import secrets
 import struct
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -39,6 +40,7 @@ LEAF_ALIGN = 64
 _HEADER = struct.Struct("<8sIIq32sqq")  # magic, version, reserved, file id, fingerprint, description offset, length
 _RECORD = struct.Struct("<8sqqq")  # magic, serial, generation, slot
 _RECORD_OFFSETS = (1024, 2048)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def align(n: int, to: int) -> int:
@@ -227,18 +229,24 @@ class StateFile:
         self._write_record(commit.slot, commit, durable)
 
     # data -------------------------------------------------------------------------------------------------------
-    def window(self, chunk: int, slot: int, write: bool) -> torch.Tensor | None:
+    def window(self, chunk: int, slot: int, write: bool) -> torch.Tensor:
         """The bytes of one chunk's slot as a uint8 tensor over a memory map of just that range.
 
-        Reads map copy-on-write, so an inner transform that mutated its input could never reach the file. The map is
-        released as soon as the last tensor viewing it dies, which keeps resident memory to the chunks in use.
+        The map is populated up front (one batch of page-table entries rather than a fault per page) and released as
+        soon as the last tensor viewing it dies, which keeps resident memory to the chunks in use. Reads map the file
+        read-only: an inner transform that wrote into its input state would fault rather than corrupt the file.
         """
         size = self.chunk_sizes[chunk]
         if size == 0:
-            return None
+            return torch.empty(0, dtype=torch.uint8)
         offset = self.chunk_offsets[chunk] + slot * size
-        access = mmap.ACCESS_WRITE if write else mmap.ACCESS_COPY
-        return torch.frombuffer(mmap.mmap(self.fd, size, access=access, offset=offset), dtype=torch.uint8)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot, offset=offset)
+        if write:
+            return torch.frombuffer(mapped, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": by design
+            return torch.frombuffer(mapped, dtype=torch.uint8)
 
     def advise(self, chunk: int, slot: int) -> None:
         """Starts reading a chunk's slot into the page cache in the background (overlaps disk reads with compute)."""

@@ -106,7 +106,7 @@ class _Streams:
         self.d2h = torch.cuda.Stream(device)
 
 
-def _materialize(buffer: torch.Tensor | None, chunk: _Chunk, device: torch.device, streams: _Streams | None) -> PyTree:
+def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, streams: _Streams | None) -> PyTree:
     """One chunk's inner state on ``device``: CPU leaves are views of ``buffer``; device leaves are copies, made on
     the copy stream when ``streams`` is given (the caller waits for them with ``_Fetched.wait``)."""
     leaves = list(chunk.meta_leaves)
@@ -141,12 +141,12 @@ class _Session:
         if self.file is not None:
             self.write_commit = self.file.begin(self.read_commit, self.durable)
 
-    def read(self, k: int) -> torch.Tensor | None:
+    def read(self, k: int) -> torch.Tensor:
         if self.file is None:
             return self.state.buffers[k][0]
         return self.file.window(k, self.read_commit.slot, write=False)
 
-    def write(self, k: int) -> torch.Tensor | None:
+    def write(self, k: int) -> torch.Tensor:
         if self.file is None:
             return self.state.buffers[k][1]
         return self.file.window(k, self.write_commit.slot, write=True)
@@ -329,8 +329,13 @@ def page_state(
         params: PyTree | None,
         extra_args: dict[str, Any],
         consume: Callable[[list[int], PyTree], None],
+        fused: Callable[[list[int], PyTree, _Fetched], PyTree | None] | None = None,
     ) -> PagedState:
-        """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits."""
+        """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits.
+
+        ``fused(group, grads, chunk)``, when given, may instead step the chunk's params with the inner transform's
+        fused kernel and return the chunk's new state (``None``: it cannot, take the general path).
+        """
         if not isinstance(state, PagedState):
             raise ValueError(f"page_state expected a PagedState, got {type(state).__name__}")
         grad_leaves, _ = tree_flatten(updates)
@@ -353,6 +358,12 @@ def page_state(
             for k, chunk in enumerate(_pipeline(session, chunks, groups, grad_leaves)):
                 group = groups[k]
                 grads_k = [grad_leaves[i] for i in group] if per_leaf else updates
+                if fused is not None:
+                    new_state = fused(group, grads_k, chunk)
+                    if new_state is not None:
+                        chunk.store(_checked(new_state, chunks[k], k))
+                        del chunk, new_state
+                        continue
                 params_k = None if param_leaves is None else chunk_params(param_leaves, params, group)
                 chunk_updates, new_state = inner.update(grads_k, chunk.state, params_k, **extra_args)
                 new_leaves = _checked(new_state, chunks[k], k)
@@ -400,17 +411,32 @@ def page_state(
                 else:
                     new_params[i] = p + u
 
-        new_state = run(grads, state, params, {}, apply)
+        inner_fused = getattr(inner.update, "fused_step", None)
+
+        def fused(group: list[int], grads_k: list[Any], chunk: _Fetched) -> PyTree | None:
+            # the inner alias's fused kernel (torch._fused_adam_ ...) steps this chunk in place, on state we own
+            params_k = [param_leaves[i] for i in group]
+            if not (donate and all(isinstance(p, torch.Tensor) and is_plain(p) for p in params_k)):
+                params_k = [p.clone() if isinstance(p, torch.Tensor) else p for p in params_k]
+            result = inner_fused(params_k, grads_k, chunk.owned(), True)
+            if result is None:
+                return None
+            for i, p in zip(group, result[0]):
+                new_params[i] = p
+            return result[1]
+
+        new_state = run(grads, state, params, {}, apply, fused if inner_fused is not None else None)
         return spec.unflatten(new_params), new_state
 
     return GradientTransformation(init, FusibleUpdate(update, fused_step))
 
 
 class _Fetched:
-    """One chunk's state on the compute device, and how its new state goes back to storage."""
+    """One chunk's state on the compute device (``state``, read-only), a copy of it that may be written in place
+    (``owned()``), and how its new state goes back to storage (``store``)."""
 
-    def __init__(self, state: PyTree, store: Callable[[list[Any]], None]) -> None:
-        self.state, self.store = state, store
+    def __init__(self, state: PyTree, store: Callable[[list[Any]], None], owned: Callable[[], PyTree]) -> None:
+        self.state, self.store, self.owned = state, store, owned
 
 
 def _pipeline(
@@ -439,7 +465,7 @@ def _pipeline(
     for k in range(len(chunks)):
         state, event = pending
         stream = streams.get(devices[k])
-        if stream is not None and written:
+        if stream is not None and written and written[-1] is not None:
             written[-1].synchronize()  # bounds the device-resident state to this chunk and the next
         if k + 1 < len(chunks):
             session.advise(k + 1)
@@ -454,7 +480,9 @@ def _pipeline(
         def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
             if stream is None:
                 for place in chunks[k].places:
-                    view_leaf(buffer, place).copy_(new_leaves[place.index])
+                    view, leaf = view_leaf(buffer, place), new_leaves[place.index]
+                    if leaf.data_ptr() != view.data_ptr():  # not already updated in place (see ``owned``)
+                        view.copy_(leaf)
                 written.append(None)
                 return
             done = stream.main.record_event()
@@ -467,8 +495,18 @@ def _pipeline(
                         leaf.record_stream(stream.d2h)
             written.append(stream.d2h.record_event())
 
-        yield _Fetched(state, store)
-        del state, buffer, store
+        def owned(k: int = k, state: PyTree = state, buffer: Any = buffer) -> PyTree:
+            if devices[k].type == "cpu":
+                buffer.copy_(session.read(k))  # the spare slot becomes the working copy, updated in place
+                return _materialize(buffer, chunks[k], devices[k], None)
+            # device leaves are already private copies; host-side ones (step counts) still view the storage
+            leaves, spec = tree_flatten(state)
+            return spec.unflatten(
+                [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in leaves]
+            )
+
+        yield _Fetched(state, store, owned)
+        del state, buffer, store, owned
     for stream in streams.values():
         stream.d2h.synchronize()
 
