@@ -12,7 +12,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation
-from fadam._dispatch import is_plain
+from fadam._dispatch import can_fuse, is_plain
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._storage import (
     Commit,
@@ -355,7 +355,10 @@ def page_state(
         try:
             session = _Session(state, state_file, durable)
             session.begin()
-            for k, chunk in enumerate(_pipeline(session, chunks, groups, grad_leaves)):
+            pipeline = _pipeline(session, chunks, groups, grad_leaves)
+            for k in range(len(chunks)):
+                # not enumerate/zip: their cached result tuple keeps the previous chunk alive during the next fetch
+                chunk = next(pipeline)
                 group = groups[k]
                 grads_k = [grad_leaves[i] for i in group] if per_leaf else updates
                 if fused is not None:
@@ -370,6 +373,7 @@ def page_state(
                 chunk.store(new_leaves)
                 consume(group, chunk_updates)
                 del chunk, new_state, new_leaves
+            next(pipeline, None)  # runs to the end: waits for the last write-backs
             return session.finish()
         finally:
             if state_file is not None:
@@ -396,7 +400,7 @@ def page_state(
         # applies each chunk's updates as soon as they exist, so the full update tree is never materialized
         if not per_leaf:
             return None
-        _grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         new_params = list(param_leaves)
 
         def apply(group: list[int], chunk_updates: list[torch.Tensor | None]) -> None:
@@ -412,6 +416,11 @@ def page_state(
                     new_params[i] = p + u
 
         inner_fused = getattr(inner.update, "fused_step", None)
+        if not can_fuse([*param_leaves, *grad_leaves]) or any(
+            p.dtype != g.dtype for p, g in zip(param_leaves, grad_leaves)
+        ):
+            # the unpaged step would take the general path for every leaf: so do all chunks, to round alike
+            inner_fused = None
 
         def fused(group: list[int], grads_k: list[Any], chunk: _Fetched) -> PyTree | None:
             # the inner alias's fused kernel (torch._fused_adam_ ...) steps this chunk in place, on state we own
