@@ -158,9 +158,9 @@ def test_update_is_pure_and_may_be_retried_from_the_previous_state():
     tx = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
     params = [torch.randn(300), torch.randn(300)]
     s0 = tx.init(params)
-    u1, s1 = tx.update([torch.ones(300), torch.ones(300)], s0, params)
+    _u1, s1 = tx.update([torch.ones(300), torch.ones(300)], s0, params)
     snapshot = [b[0].clone() for b in s1.buffers]
-    u2, s2 = tx.update([torch.ones(300), -torch.ones(300)], s1, params)
+    u2, _s2 = tx.update([torch.ones(300), -torch.ones(300)], s1, params)
     assert all(torch.equal(b[0], c) for b, c in zip(s1.buffers, snapshot))  # the input state is not written
     u2b, _ = tx.update([torch.ones(300), -torch.ones(300)], s1, params)  # a retried (skipped) step
     assert all(torch.equal(a, b) for a, b in zip(u2, u2b))
@@ -211,5 +211,5 @@ def test_an_inner_transform_that_changes_its_state_layout_is_refused():
 def test_disk_state_without_a_path_lives_in_a_temporary_file():
     tx = fadam.page_state(fadam.adam(lr=0.1), "disk", per_leaf=True)
     params = [torch.ones(3)]
-    params, state = fadam.step(tx, params, [torch.ones(3)], tx.init(params))
+    params, _state = fadam.step(tx, params, [torch.ones(3)], tx.init(params))
     torch.testing.assert_close(params[0], torch.full((3,), 0.9))
