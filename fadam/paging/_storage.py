@@ -218,9 +218,9 @@ class StateFile:
 
     def begin(self, read: Commit, durable: bool) -> Commit:
         """Invalidates the other slot before it is overwritten; returns the commit that ``commit`` will write."""
+        serial = max(c.serial for c in self.commits()) + 1  # before the invalidation: serials are never reused
         target = 1 - read.slot
         self._write_record(target, None, durable)
-        serial = max(c.serial for c in self.commits()) + 1
         return Commit(serial, read.generation + 1, target)
 
     def commit(self, commit: Commit, durable: bool) -> None:
