@@ -17,6 +17,7 @@ record with the highest serial names the slot to read; a file without one is rep
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -40,7 +41,6 @@ LEAF_ALIGN = 64
 _HEADER = struct.Struct("<8sIIq32sqq")  # magic, version, reserved, file id, fingerprint, description offset, length
 _RECORD = struct.Struct("<8sqqq")  # magic, serial, generation, slot
 _RECORD_OFFSETS = (1024, 2048)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def align(n: int, to: int) -> int:
@@ -187,7 +187,7 @@ class StateFile:
         if durable:
             os.fsync(self.fd)
 
-    def _pwrite(self, data: bytes, offset: int) -> None:
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
         try:
             written = os.pwrite(self.fd, data, offset)
         except OSError as err:
@@ -229,24 +229,30 @@ class StateFile:
         self._write_record(commit.slot, commit, durable)
 
     # data -------------------------------------------------------------------------------------------------------
-    def window(self, chunk: int, slot: int, write: bool) -> torch.Tensor:
-        """The bytes of one chunk's slot as a uint8 tensor over a memory map of just that range.
+    def window(self, chunk: int, slot: int) -> torch.Tensor:
+        """The bytes of one chunk's slot, read-only, as a uint8 tensor over a memory map of just that range.
 
-        The map is populated up front (one batch of page-table entries rather than a fault per page) and released as
-        soon as the last tensor viewing it dies, which keeps resident memory to the chunks in use. Reads map the file
-        read-only: an inner transform that wrote into its input state would fault rather than corrupt the file.
+        The map is released as soon as the last tensor viewing it dies, which keeps resident memory to the chunks in
+        use. It is read-only: an inner transform that wrote into its input state would fault, not corrupt the file.
         """
         size = self.chunk_sizes[chunk]
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         offset = self.chunk_offsets[chunk] + slot * size
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
-        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot, offset=offset)
-        if write:
-            return torch.frombuffer(mapped, dtype=torch.uint8)
+        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": by design
+            warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": by design
             return torch.frombuffer(mapped, dtype=torch.uint8)
+
+    def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor) -> None:
+        """Writes one leaf with ``pwrite``: one copy into the page cache, no page faults, nothing left mapped."""
+        if place.nbytes == 0:
+            return
+        tensor = tensor.detach().to("cpu").contiguous()
+        data = (ctypes.c_char * place.nbytes).from_address(tensor.data_ptr())
+        self._pwrite(
+            memoryview(data).cast("B"), self.chunk_offsets[chunk] + slot * self.chunk_sizes[chunk] + place.offset
+        )
 
     def advise(self, chunk: int, slot: int) -> None:
         """Starts reading a chunk's slot into the page cache in the background (overlaps disk reads with compute)."""

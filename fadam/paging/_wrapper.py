@@ -128,6 +128,7 @@ class _Session:
 
     def __init__(self, state: PagedState, state_file: StateFile | None, durable: bool) -> None:
         self.state, self.file, self.durable = state, state_file, durable
+        self.staging: torch.Tensor | None = None
         if state_file is not None:
             if int(state.store_id) != state_file.file_id:
                 raise PagedStateFileError(
@@ -144,12 +145,20 @@ class _Session:
     def read(self, k: int) -> torch.Tensor:
         if self.file is None:
             return self.state.buffers[k][0]
-        return self.file.window(k, self.read_commit.slot, write=False)
+        return self.file.window(k, self.read_commit.slot)
 
     def write(self, k: int) -> torch.Tensor:
+        """Host: the spare buffer. Disk: a reused staging buffer, only used as the working copy of a fused step;
+        ``store`` writes leaves to the file with ``pwrite``."""
         if self.file is None:
             return self.state.buffers[k][1]
-        return self.file.window(k, self.write_commit.slot, write=True)
+        size = self.file.chunk_sizes[k]
+        if self.staging is None or self.staging.numel() < size:
+            self.staging = torch.empty(max(self.file.chunk_sizes), dtype=torch.uint8)
+        return self.staging[:size]
+
+    def store(self, k: int, place: LeafPlace, leaf: torch.Tensor) -> None:
+        self.file.write(k, self.write_commit.slot, place, leaf)
 
     def advise(self, k: int) -> None:
         if self.file is not None:
@@ -462,17 +471,17 @@ def _pipeline(
     pinned = session.file is None and any(b[0].is_pinned() for b in session.state.buffers[:1])
     streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
 
-    def fetch(k: int) -> tuple[PyTree, Any]:
+    def fetch(k: int) -> tuple[PyTree, Any, torch.Tensor]:
         stream = streams.get(devices[k])
         buffer = session.read(k)
         state = _materialize(buffer, chunks[k], devices[k], stream)
         event = stream.h2d.record_event() if stream is not None else None
-        return state, event
+        return state, event, buffer
 
     written: list[Any] = []
     pending = fetch(0) if chunks else None
     for k in range(len(chunks)):
-        state, event = pending
+        state, event, source = pending
         stream = streams.get(devices[k])
         if stream is not None and written and written[-1] is not None:
             written[-1].synchronize()  # bounds the device-resident state to this chunk and the next
@@ -487,6 +496,11 @@ def _pipeline(
         buffer = session.write(k)
 
         def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
+            if session.file is not None:
+                for place in chunks[k].places:
+                    session.store(k, place, new_leaves[place.index])
+                written.append(None)
+                return
             if stream is None:
                 for place in chunks[k].places:
                     view, leaf = view_leaf(buffer, place), new_leaves[place.index]
@@ -504,9 +518,9 @@ def _pipeline(
                         leaf.record_stream(stream.d2h)
             written.append(stream.d2h.record_event())
 
-        def owned(k: int = k, state: PyTree = state, buffer: Any = buffer) -> PyTree:
+        def owned(k: int = k, state: PyTree = state, buffer: Any = buffer, source: Any = source) -> PyTree:
             if devices[k].type == "cpu":
-                buffer.copy_(session.read(k))  # the spare slot becomes the working copy, updated in place
+                buffer.copy_(source)  # the spare slot (disk: the staging buffer) becomes the working copy
                 return _materialize(buffer, chunks[k], devices[k], None)
             # device leaves are already private copies; host-side ones (step counts) still view the storage
             leaves, spec = tree_flatten(state)
@@ -515,7 +529,7 @@ def _pipeline(
             )
 
         yield _Fetched(state, store, owned)
-        del state, buffer, store, owned
+        del state, buffer, store, owned, source
     for stream in streams.values():
         stream.d2h.synchronize()
 
