@@ -21,6 +21,7 @@ from fadam.paging._storage import (
     StateFile,
     host_buffers,
     leaf_places,
+    release_freed_memory,
     view_leaf,
 )
 
@@ -64,12 +65,22 @@ def _tensor_bytes(tree: PyTree) -> int:
     return sum(x.numel() * x.element_size() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
 
 
+def _probe_bytes(inner: GradientTransformation, leaf: Any) -> int:
+    """Bytes of ``inner``'s state for one param leaf, from an init on the meta device (no memory) where it works."""
+    if isinstance(leaf, torch.Tensor):
+        try:
+            return _tensor_bytes(inner.init([torch.empty_like(leaf, device="meta")]))
+        except Exception:  # an init that needs real values (e.g. data-dependent): measure it for real
+            pass
+    return _tensor_bytes(inner.init([leaf]))
+
+
 def _plan(inner: GradientTransformation, leaves: list[Any], chunk_bytes: int) -> list[list[int]]:
     """Groups consecutive param leaves of one device into chunks of about ``chunk_bytes`` of inner state each."""
     groups: list[list[int]] = []
     size, device = 0, None
     for index, leaf in enumerate(leaves):
-        nbytes = _tensor_bytes(inner.init([leaf]))
+        nbytes = _probe_bytes(inner, leaf)
         leaf_device = leaf.device if isinstance(leaf, torch.Tensor) else None
         if not groups or leaf_device != device or (size + nbytes > chunk_bytes and groups[-1]):
             groups.append([])
@@ -321,6 +332,7 @@ def page_state(
             with StateFile.create(file_path, durable) as builder:
                 build(builder.add_chunk)
                 store_id, serial = builder.file_id, 1
+            release_freed_memory()
         if storage == "host":
             serial = 0
         return PagedState(
