@@ -26,6 +26,7 @@ import os
 import secrets
 import struct
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -76,7 +77,30 @@ def view_leaf(buffer: torch.Tensor, place: LeafPlace) -> torch.Tensor:
 
 def host_buffers(nbytes: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The two slots of one chunk in host memory (page-locked when the state is used on an accelerator)."""
-    return tuple(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2))  # type: ignore[return-value]
+    return (_page_locked(nbytes), _page_locked(nbytes)) if pin else (_host(nbytes), _host(nbytes))
+
+
+def _host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _page_locked(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory of exactly ``nbytes``.
+
+    ``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up to a power of two:
+    a 64 MiB + 4 KiB chunk would take 128 MiB. Registering an ordinary allocation with the CUDA driver pins exactly
+    what is asked for; the caching allocator is the fallback.
+    """
+    buffer = _host(nbytes)
+    if nbytes:
+        try:
+            cudart = torch.cuda.cudart()
+            if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0:
+                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+                return buffer
+        except (AttributeError, RuntimeError):
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def fingerprint(description: dict) -> bytes:
