@@ -1,7 +1,7 @@
 """Paged optimizer state: the inner state lives in host memory or in a file and is streamed to the device."""
 
-from fadam.paging._aliases import paged_adam, paged_adamw
+from fadam.paging._aliases import paged, paged_adam, paged_adamw
 from fadam.paging._storage import PagedStateFileError
 from fadam.paging._wrapper import PagedState, page_state
 
-__all__ = ["PagedState", "PagedStateFileError", "page_state", "paged_adam", "paged_adamw"]
+__all__ = ["PagedState", "PagedStateFileError", "page_state", "paged", "paged_adam", "paged_adamw"]

@@ -1,69 +1,75 @@
-"""Paged versions of the torch.optim-compatible aliases: the optimizer state stays in host memory or on disk."""
+"""Paged versions of the torch.optim-style aliases: the optimizer state stays in host memory or on disk.
+
+Each is ``paged(alias)``: the alias's own arguments, plus ``storage``, ``path``, ``chunk_bytes``, ``resume`` and
+``durable`` (keyword-only), building ``page_state(alias(...), ..., per_leaf=True)``. Paging another per-leaf alias is
+one line, e.g. ``paged_adamw8bit = paged(adamw8bit)``, plus its export in ``fadam/__init__.py``.
+"""
 
 from __future__ import annotations
 
-import os
-from typing import Literal
+import inspect
+from collections.abc import Callable
+from typing import Any
 
-import torch
-
-from fadam._base import GradientTransformation, ScalarOrSchedule
+from fadam._base import GradientTransformation
 from fadam.aliases import adam, adamw
 from fadam.paging._wrapper import DEFAULT_CHUNK_BYTES, page_state
 
+_PAGING_PARAMETERS = [
+    inspect.Parameter("storage", inspect.Parameter.KEYWORD_ONLY, default="host"),
+    inspect.Parameter("path", inspect.Parameter.KEYWORD_ONLY, default=None),
+    inspect.Parameter("chunk_bytes", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_CHUNK_BYTES),
+    inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False),
+    inspect.Parameter("durable", inspect.Parameter.KEYWORD_ONLY, default=False),
+]
 
-def paged_adam(
-    lr: ScalarOrSchedule = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float | torch.Tensor = 0.0,
-    amsgrad: bool = False,
-    *,
-    maximize: bool = False,
-    storage: Literal["host", "disk"] = "host",
-    path: str | os.PathLike | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    resume: bool = False,
-) -> GradientTransformation:
-    """``torch.optim.Adam`` with its state paged: ``page_state(adam(...), storage, path, chunk_bytes, per_leaf=True)``.
 
-    Bit-identical to ``fadam.adam``; see ``page_state`` for the storages, chunking and checkpoints. ``fadam.step`` runs
-    torch's fused Adam kernel chunk by chunk.
+def paged(alias: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """The paged version of an alias whose update treats each param leaf on its own (``page_state(per_leaf=True)``).
 
     Example:
         >>> import torch, fadam
-        >>> params = {"w": torch.tensor([1.0, -1.0])}
-        >>> tx = fadam.paged_adam(lr=0.1)
-        >>> params, state = fadam.step(tx, params, {"w": torch.tensor([0.5, -0.5])}, tx.init(params))
-        >>> params["w"]
-        tensor([ 0.9000, -0.9000])
+        >>> paged_sgd = fadam.paging.paged(fadam.sgd)
+        >>> tx = paged_sgd(lr=0.1, momentum=0.9, chunk_bytes=1 << 20)
+        >>> params = [torch.ones(2)]
+        >>> fadam.step(tx, params, [torch.ones(2)], tx.init(params))[0]
+        [tensor([0.9000, 0.9000])]
     """
-    inner = adam(lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
-    return page_state(inner, storage, path, chunk_bytes, per_leaf=True, resume=resume)
+    name = f"paged_{alias.__name__}"
 
+    def make(
+        *args: Any,
+        storage: str = "host",
+        path: Any = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        resume: bool = False,
+        durable: bool = False,
+        **kwargs: Any,
+    ) -> GradientTransformation:
+        inner = alias(*args, **kwargs)
+        return page_state(inner, storage, path, chunk_bytes, per_leaf=True, resume=resume, durable=durable)
 
-def paged_adamw(
-    lr: ScalarOrSchedule = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float | torch.Tensor = 1e-2,
-    amsgrad: bool = False,
-    *,
-    maximize: bool = False,
-    storage: Literal["host", "disk"] = "host",
-    path: str | os.PathLike | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    resume: bool = False,
-) -> GradientTransformation:
-    """``torch.optim.AdamW`` with its state paged: ``page_state(adamw(...), ..., per_leaf=True)``.
+    signature = inspect.signature(alias)
+    own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    make.__signature__ = signature.replace(parameters=own + _PAGING_PARAMETERS)  # type: ignore[attr-defined]
+    make.__name__ = make.__qualname__ = name
+    make.__module__ = __name__
+    make.__doc__ = f"""``fadam.{alias.__name__}`` with its state paged: ``page_state({alias.__name__}(...), storage,
+    path, chunk_bytes, per_leaf=True, resume=resume, durable=durable)``.
+
+    Bit-identical to ``fadam.{alias.__name__}``; ``fadam.step`` runs its fused kernel chunk by chunk. See ``page_state``
+    for the storages, chunks and checkpoints.
 
     Example:
         >>> import torch, fadam
-        >>> params = {"w": torch.tensor([2.0])}
-        >>> tx = fadam.paged_adamw(lr=0.1, weight_decay=0.5)
-        >>> params, state = fadam.step(tx, params, {"w": torch.tensor([1.0])}, tx.init(params))
-        >>> params["w"]
-        tensor([1.8000])
+        >>> params, grads = {{"w": torch.tensor([1.0, -1.0])}}, {{"w": torch.tensor([0.5, -0.5])}}
+        >>> tx, reference = fadam.{name}(lr=0.1, storage="disk"), fadam.{alias.__name__}(lr=0.1)
+        >>> paged_params, _ = fadam.step(tx, params, grads, tx.init(params))
+        >>> torch.equal(paged_params["w"], fadam.step(reference, params, grads, reference.init(params))[0]["w"])
+        True
     """
-    inner = adamw(lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
-    return page_state(inner, storage, path, chunk_bytes, per_leaf=True, resume=resume)
+    return make
+
+
+paged_adam = paged(adam)
+paged_adamw = paged(adamw)

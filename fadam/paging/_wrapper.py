@@ -119,7 +119,7 @@ class _Streams:
 
 def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, streams: _Streams | None) -> PyTree:
     """One chunk's inner state on ``device``: CPU leaves are views of ``buffer``; device leaves are copies, made on
-    the copy stream when ``streams`` is given (the caller waits for them with ``_Fetched.wait``)."""
+    the copy stream when ``streams`` is given (``_pipeline`` makes the compute stream wait for them)."""
     leaves = list(chunk.meta_leaves)
     for place, on_device in zip(chunk.places, chunk.on_device):
         view = view_leaf(buffer, place)
@@ -475,9 +475,10 @@ def _pipeline(
     """Yields each chunk's state ready for compute, having started the copy of the next one.
 
     On CUDA with page-locked host storage the next chunk's host-to-device copy and the previous chunk's write-back
-    run on side streams; before a chunk is fetched, the write-back of the chunk two before it is waited for, so at most
-    two chunks (each with its updated copy) are on the device. Elsewhere copies are synchronous and the kernel is
-    asked to read the next chunk ahead from disk.
+    run on side streams while the current chunk computes; before the next chunk is fetched, the previous chunk's
+    write-back is waited for, so the device holds at most two chunks of state: the one being updated (with its new
+    copy, unless updated in place) and the next one. Elsewhere copies are synchronous, and the kernel is asked to read
+    the next chunk ahead from disk.
     """
     devices = [_compute_device(group, grad_leaves) for group in groups]
     pinned = session.file is None and any(b[0].is_pinned() for b in session.state.buffers[:1])
