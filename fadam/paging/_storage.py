@@ -268,6 +268,19 @@ class StateFile:
             warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": by design
             return torch.frombuffer(mapped, dtype=torch.uint8)
 
+    def read_into(self, chunk: int, slot: int, buffer: torch.Tensor) -> None:
+        """Copies one chunk's slot into ``buffer`` (contiguous uint8, CPU) with ``pread``: no page faults."""
+        size = self.chunk_sizes[chunk]
+        if size == 0:
+            return
+        data = memoryview((ctypes.c_char * size).from_address(buffer.data_ptr())).cast("B")
+        offset, done = self.chunk_offsets[chunk] + slot * size, 0
+        while done < size:
+            n = os.preadv(self.fd, [data[done:]], offset + done)
+            if n <= 0:
+                raise PagedStateFileError(f"{self.path} is truncated: chunk {chunk} ends early")
+            done += n
+
     def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor) -> None:
         """Writes one leaf with ``pwrite``: one copy into the page cache, no page faults, nothing left mapped."""
         if place.nbytes == 0:

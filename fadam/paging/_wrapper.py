@@ -137,8 +137,9 @@ class _Session:
     """One update's access to the storage: the buffer to read each chunk from, the buffer to write it to, and the
     commit at the end."""
 
-    def __init__(self, state: PagedState, state_file: StateFile | None, durable: bool) -> None:
+    def __init__(self, state: PagedState, state_file: StateFile | None, durable: bool, in_place: bool) -> None:
         self.state, self.file, self.durable = state, state_file, durable
+        self.in_place = in_place and state_file is None  # a donated host state is updated in its own buffers
         self.staging: torch.Tensor | None = None
         if state_file is not None:
             if int(state.store_id) != state_file.file_id:
@@ -162,7 +163,7 @@ class _Session:
         """Host: the spare buffer. Disk: a reused staging buffer, only used as the working copy of a fused step;
         ``store`` writes leaves to the file with ``pwrite``."""
         if self.file is None:
-            return self.state.buffers[k][1]
+            return self.state.buffers[k][0 if self.in_place else 1]
         size = self.file.chunk_sizes[k]
         if self.staging is None or self.staging.numel() < size:
             self.staging = torch.empty(max(self.file.chunk_sizes), dtype=torch.uint8)
@@ -178,6 +179,8 @@ class _Session:
     def finish(self) -> PagedState:
         state = self.state
         if self.file is None:
+            if self.in_place:
+                return state._replace(serial=state.serial + 1)
             buffers = tuple((spare, current) for current, spare in state.buffers)
             return state._replace(serial=state.serial + 1, buffers=buffers)
         self.file.commit(self.write_commit, self.durable)
@@ -351,6 +354,7 @@ def page_state(
         extra_args: dict[str, Any],
         consume: Callable[[list[int], PyTree], None],
         fused: Callable[[list[int], PyTree, _Fetched], PyTree | None] | None = None,
+        in_place: bool = False,
     ) -> PagedState:
         """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits.
 
@@ -374,7 +378,7 @@ def page_state(
             raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
         state_file = StateFile.open(file_path) if storage == "disk" else None
         try:
-            session = _Session(state, state_file, durable)
+            session = _Session(state, state_file, durable, in_place)
             session.begin()
             pipeline = _pipeline(session, chunks, groups, grad_leaves)
             for k in range(len(chunks)):
@@ -455,7 +459,7 @@ def page_state(
                 new_params[i] = p
             return result[1]
 
-        new_state = run(grads, state, params, {}, apply, fused if inner_fused is not None else None)
+        new_state = run(grads, state, params, {}, apply, fused if inner_fused is not None else None, donate)
         return spec.unflatten(new_params), new_state
 
     return GradientTransformation(init, FusibleUpdate(update, fused_step))
@@ -533,7 +537,11 @@ def _pipeline(
 
         def owned(k: int = k, state: PyTree = state, buffer: Any = buffer, source: Any = source) -> PyTree:
             if devices[k].type == "cpu":
-                buffer.copy_(source)  # the spare slot (disk: the staging buffer) becomes the working copy
+                # the spare slot (disk: the staging buffer) becomes the working copy
+                if session.file is not None:
+                    session.file.read_into(k, session.read_commit.slot, buffer)
+                elif buffer.data_ptr() != source.data_ptr():
+                    buffer.copy_(source)
                 return _materialize(buffer, chunks[k], devices[k], None)
             # device leaves are already private copies; host-side ones (step counts) still view the storage
             leaves, spec = tree_flatten(state)
