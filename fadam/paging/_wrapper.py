@@ -228,7 +228,9 @@ def page_state(
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
     be retried from the state before it (a skipped step); a state older than that is refused as stale on disk (on the
     host its buffers hold newer data: keep only the latest two). ``fadam.step`` applies each chunk's updates as soon as
-    they are computed, so with ``per_leaf=True`` the full update tree is never materialized either.
+    they are computed, so with ``per_leaf=True`` the full update tree is never materialized either, and runs the inner
+    alias's fused kernel per chunk when the unpaged step would; with ``donate=True`` a host state is updated in its own
+    buffers (the caller gave it up), while a disk state still goes to the other copy (the file must stay consistent).
 
     Args:
         inner: the transform whose state is paged.
