@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -40,9 +41,65 @@ INNERS = {
         lambda: fadam.chain(fadam.scale_by_adam(nesterov=True), fadam.scale_by_learning_rate(lambda t: 1e-2 / (t + 1))),
         True,
     ),
-    # couples leaves: must run as one chunk
+    "masked-callable-bf16-moments": (
+        lambda: fadam.masked(
+            fadam.chain(fadam.scale_by_adam(mu_dtype=torch.bfloat16), fadam.scale(-1e-2)),
+            lambda params: fadam.tree_map(lambda p: p.ndim > 1, params),
+        ),
+        True,
+    ),
+    "codes-and-absmax": (lambda: _toy_quantized(), True),
+    # couples leaves, or needs the params' tree structure: one chunk with the params as they are
     "clip-global-adam": (lambda: fadam.chain(fadam.clip_by_global_norm(0.5), fadam.adam(lr=1e-2)), False),
+    "masked-prefix-adam": (
+        lambda: fadam.masked(fadam.adam(lr=1e-2), {"embed": False, "blocks": True, "z": True, "scale": False}),
+        False,
+    ),
 }
+
+
+class _ToyQuantizedState(NamedTuple):
+    count: torch.Tensor  # int32
+    codes: list  # uint8, one per element
+    absmax: list  # fp32, one per block of 64
+    seen: list  # bool
+
+
+def _toy_quantized() -> fadam.GradientTransformation:
+    """State shaped like 8-bit optimizers' (uint8 codes, fp32 block absmax, int32 count, a bool mask): whatever the
+    dtypes, paging must carry them bit for bit."""
+
+    def real(x):
+        return torch.view_as_real(x).reshape(-1) if x.is_complex() else x.reshape(-1)
+
+    def init(params):
+        flat = [real(p) for p in fadam._tree.tree_leaves(params)]
+        return _ToyQuantizedState(
+            torch.zeros([], dtype=torch.int32),
+            [torch.zeros(p.numel(), dtype=torch.uint8) for p in flat],
+            [torch.zeros(-(-p.numel() // 64)) for p in flat],
+            [torch.zeros(p.numel(), dtype=torch.bool) for p in flat],
+        )
+
+    def update(updates, state, params=None, **_):
+        leaves, spec = fadam._tree.tree_flatten(updates)
+        out, codes, absmax, seen = [], [], [], []
+        for g, c, a, s in zip(leaves, state.codes, state.absmax, state.seen):
+            if g is None:
+                out.append(None), codes.append(c), absmax.append(a), seen.append(s)
+                continue
+            gr = real(g).float()
+            padded = torch.nn.functional.pad(gr.abs(), (0, a.numel() * 64 - gr.numel()))
+            a_new = torch.maximum(a * 0.9, padded.reshape(-1, 64).amax(1))
+            scale = a_new.repeat_interleave(64)[: gr.numel()]
+            c_new = (c.float() * 0.5 + 63.75 * (gr / scale.clamp_min(1e-12) + 1)).round().to(torch.uint8)
+            s_new = s | (gr > 0)
+            u = (c_new.float() - 127.5) / 127.5 * scale * s_new.float() - state.count.float() * 1e-3
+            u = torch.view_as_complex(u.reshape(*g.shape, 2)) if g.is_complex() else u.reshape(g.shape)
+            out.append(u.to(g.dtype)), codes.append(c_new), absmax.append(a_new), seen.append(s_new)
+        return spec.unflatten(out), _ToyQuantizedState(state.count + 1, codes, absmax, seen)
+
+    return fadam.GradientTransformation(init, update)
 
 
 def _paged(make, per_leaf: bool, storage: str, tmp_path, chunk_bytes: int = 6_000):
