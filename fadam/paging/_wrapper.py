@@ -232,6 +232,9 @@ def page_state(
     alias's fused kernel per chunk when the unpaged step would; with ``donate=True`` a host state is updated in its own
     buffers (the caller gave it up), while a disk state still goes to the other copy (the file must stay consistent).
 
+    The storage lives outside autograd and ``torch.func``: page a state for eager training loops, not inside
+    ``vmap``, ``grad`` or ``torch.compile``. One process at a time may use a state file.
+
     Args:
         inner: the transform whose state is paged.
         storage: ``"host"`` or ``"disk"``.
@@ -320,6 +323,7 @@ def page_state(
             build(write_host)
         elif resume:
             build(None)
+            release_freed_memory()
             state_file = StateFile.open(file_path)
             try:
                 found = state_file.description
