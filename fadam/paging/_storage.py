@@ -8,11 +8,12 @@ The disk file is its own checkpoint::
 
     [header page][chunk 0: slot 0 | slot 1][chunk 1: slot 0 | slot 1] ... [description (JSON)]
 
-The header holds a magic, the format version, a random file id, the SHA-256 fingerprint of the description (tree
-structure, shapes, dtypes and placement of every state leaf, chunk by chunk) and two commit records, one per slot:
-``(serial, generation, crc32)``. An update invalidates the record of the slot it is about to write, writes the data,
-then writes that record with a new serial: the record is the commit marker and it is written last. On load, the valid
-record with the highest serial names the slot to read; a file without one is reported as incomplete.
+The header holds a magic, the format version, a random file id, the SHA-256 fingerprint of the description (for
+each chunk: the param leaves it covers, the inner state's tree structure, and the shape and dtype of every state leaf)
+and two commit records, one per slot: ``(serial, generation, crc32)``. An update invalidates the record of the slot
+it is about to write, writes the data, then writes that record with a new serial: the record is the commit marker and
+it is written last. On load, the valid record with the highest serial names the slot to read; a file without one is
+reported as incomplete. Reads map the chunk being read; writes use ``pwrite``, so only about two chunks are resident.
 """
 
 from __future__ import annotations
