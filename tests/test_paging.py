@@ -270,3 +270,22 @@ def test_disk_state_without_a_path_lives_in_a_temporary_file():
     params = [torch.ones(3)]
     params, _state = fadam.step(tx, params, [torch.ones(3)], tx.init(params))
     torch.testing.assert_close(params[0], torch.full((3,), 0.9))
+
+
+def test_a_donated_host_state_is_updated_in_its_own_buffers():
+    tx = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
+    params = [torch.randn(300), torch.randn(300)]
+    state = tx.init(params)
+    kept = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
+    reference = kept.init(params)
+    grads = [torch.ones(300), -torch.ones(300)]
+    new_params, new_state = fadam.step(tx, [p.clone() for p in params], grads, state, donate=True)
+    ref_params, ref_state = fadam.step(kept, [p.clone() for p in params], grads, reference)
+    assert all(a[0] is b[0] for a, b in zip(new_state.buffers, state.buffers))  # no spare copy was written
+    assert all(b[0] is not c[0] for b, c in zip(ref_state.buffers, reference.buffers))  # without donation: the spare
+    assert all(torch.equal(a, b) for a, b in zip(new_params, ref_params))
+
+
+def test_one_chunk_needs_params_on_one_device():
+    with pytest.raises(ValueError, match="needs params on one device"):
+        fadam.page_state(fadam.adam()).init([torch.zeros(2), torch.zeros(2, device="meta")])
