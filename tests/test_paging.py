@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import weakref
 from typing import NamedTuple
 
@@ -265,11 +267,18 @@ def test_an_inner_transform_that_changes_its_state_layout_is_refused():
         tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))
 
 
-def test_disk_state_without_a_path_lives_in_a_temporary_file():
+def test_disk_state_without_a_path_lives_in_its_own_temporary_file():
     tx = fadam.page_state(fadam.adam(lr=0.1), "disk", per_leaf=True)
     params = [torch.ones(3)]
-    params, _state = fadam.step(tx, params, [torch.ones(3)], tx.init(params))
+    first, second = tx.init(params), tx.init(params)  # independent states, as for any transform
+    path = bytes(first.path.tolist()).decode()
+    assert os.path.exists(path) and path != bytes(second.path.tolist()).decode()
+    params, first = fadam.step(tx, params, [torch.ones(3)], first)
     torch.testing.assert_close(params[0], torch.full((3,), 0.9))
+    _, second = tx.update([torch.ones(3)], second)
+    del first
+    gc.collect()
+    assert not os.path.exists(path)  # removed with the last state that refers to it
 
 
 def test_a_donated_host_state_is_updated_in_its_own_buffers():

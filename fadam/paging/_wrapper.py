@@ -34,6 +34,7 @@ class PagedState(NamedTuple):
 
     serial: torch.Tensor  # 0-d int64: the commit this state is (disk: names the slot holding it)
     store_id: torch.Tensor  # 0-d int64: the disk file's random id (0 for host storage)
+    path: torch.Tensor  # uint8: the disk file's path, UTF-8 (empty for host storage)
     chunks: tuple[torch.Tensor, ...]  # per chunk: int64 indices of the param leaves it covers
     layout: tuple[PyTree, ...]  # per chunk: the inner state, every tensor leaf replaced by a meta tensor
     placement: tuple[torch.Tensor, ...]  # per chunk, per tensor leaf: 1 = lives on the params' device, 0 = on the CPU
@@ -238,7 +239,8 @@ def page_state(
     Args:
         inner: the transform whose state is paged.
         storage: ``"host"`` or ``"disk"``.
-        path: the state file for ``"disk"`` (a fresh file in the temp directory, deleted at exit, if ``None``).
+        path: the state file for ``"disk"``; ``None``: a new file in the temp directory per ``init``, removed once
+            no state refers to it.
         chunk_bytes: target bytes of inner state per chunk (``per_leaf=True`` only).
         per_leaf: ``inner`` treats each param leaf independently, so it may run chunk by chunk.
         resume: ``init`` reopens the existing file at ``path`` instead of creating it.
@@ -265,13 +267,12 @@ def page_state(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if path is None and resume:
         raise ValueError("resume=True needs the path of the state file")
-    file_path = os.fspath(path) if path is not None else None
+    given_path = os.fspath(path) if path is not None else None
 
     def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
         return [leaves[i] for i in group] if per_leaf else params
 
     def init(params: PyTree) -> PagedState:
-        nonlocal file_path
         leaves, _ = tree_flatten(params)
         if per_leaf:
             groups = _plan(inner, leaves, chunk_bytes)
@@ -286,8 +287,9 @@ def page_state(
             and torch.cuda.is_available()
             and any(isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" for leaf in leaves)
         )
+        file_path = given_path
         if storage == "disk" and file_path is None:
-            file_path = _temporary_path(update)
+            file_path = _temporary_path()  # a new file per init: states of separate inits stay independent
         layouts, placements, buffers, descriptions = [], [], [], []
 
         def build(write_chunk: Callable[[dict, list[Any], list[LeafPlace]], None] | None) -> None:
@@ -344,9 +346,13 @@ def page_state(
             release_freed_memory()
         if storage == "host":
             serial = 0
+        path_bytes = torch.tensor(list(file_path.encode()) if storage == "disk" else [], dtype=torch.uint8)
+        if storage == "disk" and given_path is None:
+            weakref.finalize(path_bytes, _remove, file_path)  # the temporary file lives as long as its states
         return PagedState(
             torch.tensor(serial, dtype=torch.int64),
             torch.tensor(store_id, dtype=torch.int64),
+            path_bytes,
             tuple(torch.tensor(group, dtype=torch.int64) for group in groups),
             tuple(layouts),
             tuple(placements),
@@ -376,13 +382,11 @@ def page_state(
             raise ValueError(f"updates have {len(grad_leaves)} leaves but the paged state was built for {count} params")
         if params is not None:
             check_leaves(updates, params)
-        if storage == "disk" and file_path is None:
-            raise PagedStateFileError("this paged state's file was never created: call init first")
         param_leaves = tree_flatten(params)[0] if params is not None else None
         chunks = [_chunk(layout, placement) for layout, placement in zip(state.layout, state.placement)]
         if storage == "host" and len(state.buffers) != len(chunks):
             raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
-        state_file = StateFile.open(file_path) if storage == "disk" else None
+        state_file = StateFile.open(_path_of(state)) if storage == "disk" else None
         try:
             session = _Session(state, state_file, durable, in_place)
             session.begin()
@@ -587,12 +591,16 @@ def _checked(new_state: PyTree, chunk: _Chunk, k: int) -> list[Any]:
     return leaves
 
 
-def _temporary_path(owner: Callable[..., Any]) -> str:
-    """A fresh state file in the temp directory, removed when the transform is garbage collected or at exit."""
+def _temporary_path() -> str:
     fd, path = tempfile.mkstemp(prefix="fadam-paged-", suffix=".state")
     os.close(fd)
-    weakref.finalize(owner, _remove, path)
     return path
+
+
+def _path_of(state: PagedState) -> str:
+    if state.path.numel() == 0:
+        raise ValueError("this paged state has no file: was it built with storage='host'?")
+    return bytes(state.path.tolist()).decode()
 
 
 def _remove(path: str) -> None:
