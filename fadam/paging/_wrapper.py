@@ -209,8 +209,9 @@ def page_state(
 
     **Chunks.** With ``per_leaf=True`` the params are split into chunks of consecutive leaves holding about
     ``chunk_bytes`` of inner state each, and ``inner`` runs on each chunk separately, with its own state (its params
-    are a list of that chunk's leaves). This is exact only for transforms whose update of one param leaf never looks
-    at another (Adam, AdamW, SGD, quantized state): declare it with ``per_leaf=True``. Anything that couples leaves
+    are a list of that chunk's leaves, so a mask given as a tree shaped like the params needs ``per_leaf=False``; a
+    callable mask works either way). This is exact only for transforms whose update of one param leaf never looks at
+    another (Adam, AdamW, SGD, quantized state): declare it with ``per_leaf=True``. Anything that couples leaves
     (``clip_by_global_norm``, a global norm) must use the default ``per_leaf=False``: the whole state is one chunk,
     streamed in, updated once, streamed out; still bit-identical, but all of it is on the device during the update.
     A single leaf is never split. At most two chunks of state are materialized at once: the one being updated and
@@ -218,12 +219,13 @@ def page_state(
     from disk the kernel reads the next chunk ahead).
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
-    ``"disk"``: a file at ``path`` mapped one chunk at a time, so the state may exceed RAM and resident memory stays at
-    about two chunks. The file is a checkpoint: ``page_state(..., resume=True)``'s ``init`` reopens it after checking
-    that it belongs to the same model and optimizer. It keeps two copies of the state; an update writes the other copy
-    and then flips a commit record, so a killed process leaves either the previous or the new step, never a mix, and a
-    file whose creation was interrupted is reported as incomplete. ``durable=True`` also flushes to the disk before
-    each commit (power-loss safety, at the cost of writing the state to the disk every step).
+    ``"disk"``: a file at ``path``, read through a memory map of one chunk at a time and written with ``pwrite``, so
+    the state may exceed RAM and resident memory stays at about two chunks. The file is a checkpoint:
+    ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
+    optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
+    killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
+    is reported as incomplete. ``durable=True`` also flushes to the disk before each commit (power-loss safety, at the
+    cost of writing the state to the disk every step).
 
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
