@@ -137,8 +137,10 @@ def main() -> None:
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for r in results:
-            ax.plot(range(-1, args.steps + 1), r["rss_mib"], marker="o", label=LABELS[r["storage"]])
-        ax.set(xlabel="step (-1: start, 0: after init)", ylabel="resident memory (MiB)")
+            growth = [x - r["rss_mib"][0] for x in r["rss_mib"]]
+            ax.plot(range(-1, args.steps + 1), growth, marker="o", label=LABELS[r["storage"]])
+        ax.axhline(n_params * 8 / 2**20, color="gray", linestyle=":", label="size of the AdamW state")
+        ax.set(xlabel="step (-1: start, 0: after init)", ylabel="resident memory added (MiB)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot)
