@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -149,22 +150,21 @@ def test_a_process_killed_mid_update_leaves_the_previous_or_the_next_step(tmp_pa
     path = tmp_path / "killed.state"
     child = _run_child(
         f"""
-        import sys, time, torch, fadam
+        import sys, torch, fadam
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_paging_storage import _grads, _params, _slow_adam
-        tx = fadam.page_state(_slow_adam(), "disk", {str(path)!r}, 4096, per_leaf=True)
+        from test_paging_storage import _grads, _params, _blocking_adam
+        tx = fadam.page_state(_blocking_adam(block_at=7), "disk", {str(path)!r}, 4096, per_leaf=True)
         params, state = _params(), tx.init(_params())
         for step in range(1000):
-            print("step", step, flush=True)
             _, state = tx.update(_grads(step), state, params)
         """
     )
-    lines: list[str] = []
-    while lines[-3:] != ["step 2\n", "chunk\n", "chunk\n"]:
-        line = child.stdout.readline()
-        assert line, child.stderr.read()
-        lines.append(line)
-    # the child sleeps inside the second chunk of its third update: the first chunk of the new step is written
+    # 3 chunks per update: call 7 is the second chunk of the third update, whose first chunk is already written
+    watchdog = threading.Timer(60, child.kill)  # never hang the suite
+    watchdog.start()
+    line = child.stdout.readline()
+    watchdog.cancel()
+    assert line == "blocked\n", (line, child.stderr.read())
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
 
@@ -172,11 +172,11 @@ def test_a_process_killed_mid_update_leaves_the_previous_or_the_next_step(tmp_pa
     commits = state_file.commits()
     state_file.close()
     assert len(commits) == 1  # killed mid-update: the slot being written had been invalidated first
-    resumed = fadam.page_state(_slow_adam(0.0), "disk", path, 4096, per_leaf=True, resume=True)
+    resumed = fadam.page_state(_blocking_adam(), "disk", path, 4096, per_leaf=True, resume=True)
     state = resumed.init(_params())
     done = int(state.serial) - 1
     assert done == 2  # the step being written when the process died is not visible
-    reference = _slow_adam(0.0)
+    reference = _blocking_adam()
     ref_state = reference.init(_params())
     for step in range(done):
         _, ref_state = reference.update(_grads(step), ref_state, _params())
@@ -186,13 +186,16 @@ def test_a_process_killed_mid_update_leaves_the_previous_or_the_next_step(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(updates, ref_updates))
 
 
-def _slow_adam(delay: float = 0.2) -> fadam.GradientTransformation:
-    """Adam that says when it enters a chunk, then sleeps there, so that a kill lands inside an update."""
+def _blocking_adam(block_at: int = -1) -> fadam.GradientTransformation:
+    """Adam that, on its ``block_at``-th call (one call per chunk), says so and blocks, so that a kill lands inside
+    an update."""
+    calls = [0]
 
     def sleep(updates, params):
-        if delay:
-            print("chunk", flush=True)
-            time.sleep(delay)
+        if calls[0] == block_at:
+            print("blocked", flush=True)
+            time.sleep(600)
+        calls[0] += 1
         return updates
 
     return fadam.chain(fadam.stateless(sleep), fadam.adam(lr=1e-2))
