@@ -99,7 +99,7 @@ def _page_locked(nbytes: int) -> torch.Tensor:
             if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0:
                 weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
                 return buffer
-        except (AttributeError, RuntimeError):
+        except (AttributeError, RuntimeError, TypeError):
             pass
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
