@@ -94,7 +94,10 @@ def _plan(inner: GradientTransformation, leaves: list[Any], chunk_bytes: int) ->
 def _first_difference(found: dict, expected: dict) -> str:
     chunks_found, chunks_expected = found["chunks"], expected["chunks"]
     if len(chunks_found) != len(chunks_expected):
-        return f"it has {len(chunks_found)} chunks, this model and optimizer make {len(chunks_expected)}"
+        return (
+            f"it has {len(chunks_found)} chunks, this model and optimizer make {len(chunks_expected)} "
+            "(same params, inner transform and chunk_bytes?)"
+        )
     for k, (a, b) in enumerate(zip(chunks_found, chunks_expected)):
         if a["params"] != b["params"]:
             return f"chunk {k} covers param leaves {a['params'][:8]}..., expected {b['params'][:8]}..."
