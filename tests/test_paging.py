@@ -213,16 +213,26 @@ def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
     assert [c.tolist() for c in whole.chunks] == [[0, 1, 2, 3]]
 
 
-def test_update_is_pure_and_may_be_retried_from_the_previous_state():
+def _reads(state) -> list[torch.Tensor]:
+    """The buffers a host-paged state reads (the slot holding its commit)."""
+    slot = int((state.slot_serials == state.serial).nonzero())
+    return [pair[slot] for pair in state.buffers]
+
+
+def test_update_is_pure_retried_from_the_previous_state_and_refuses_stale_ones():
     tx = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
     params = [torch.randn(300), torch.randn(300)]
     s0 = tx.init(params)
-    _u1, s1 = tx.update([torch.ones(300), torch.ones(300)], s0, params)
-    snapshot = [b[0].clone() for b in s1.buffers]
-    u2, _s2 = tx.update([torch.ones(300), -torch.ones(300)], s1, params)
-    assert all(torch.equal(b[0], c) for b, c in zip(s1.buffers, snapshot))  # the input state is not written
-    u2b, _ = tx.update([torch.ones(300), -torch.ones(300)], s1, params)  # a retried (skipped) step
+    _, s1 = tx.update([torch.ones(300), torch.ones(300)], s0, params)
+    read, snapshot = _reads(s1), [b.clone() for b in _reads(s1)]
+    u2, s2 = tx.update([torch.ones(300), -torch.ones(300)], s1, params)
+    assert all(torch.equal(b, c) for b, c in zip(read, snapshot))  # the input state is not written
+    u2b, s2b = tx.update([torch.ones(300), -torch.ones(300)], s1, params)  # a retried (skipped) step
     assert all(torch.equal(a, b) for a, b in zip(u2, u2b))
+    for stale in (s0, s2):  # s0's buffers hold s2 then s2b; s2's were overwritten by the retry
+        with pytest.raises(ValueError, match="stale paged state"):
+            tx.update([torch.ones(300), torch.ones(300)], stale, params)
+    tx.update([torch.ones(300), torch.ones(300)], s2b, params)
 
 
 def test_host_state_round_trips_through_torch_save(tmp_path):
@@ -290,8 +300,10 @@ def test_a_donated_host_state_is_updated_in_its_own_buffers():
     grads = [torch.ones(300), -torch.ones(300)]
     new_params, new_state = fadam.step(tx, [p.clone() for p in params], grads, state, donate=True)
     ref_params, ref_state = fadam.step(kept, [p.clone() for p in params], grads, reference)
-    assert all(a[0] is b[0] for a, b in zip(new_state.buffers, state.buffers))  # no spare copy was written
-    assert all(b[0] is not c[0] for b, c in zip(ref_state.buffers, reference.buffers))  # without donation: the spare
+    assert all(a is b for a, b in zip(_reads(new_state), [pair[0] for pair in state.buffers]))  # written in place
+    assert all(a is b for a, b in zip(_reads(ref_state), [pair[1] for pair in reference.buffers]))  # or the spare
+    with pytest.raises(ValueError, match="stale paged state"):  # a donated state is given up
+        tx.update(grads, state, params)
     assert all(torch.equal(a, b) for a, b in zip(new_params, ref_params))
 
 

@@ -38,7 +38,9 @@ class PagedState(NamedTuple):
     chunks: tuple[torch.Tensor, ...]  # per chunk: int64 indices of the param leaves it covers
     layout: tuple[PyTree, ...]  # per chunk: the inner state, every tensor leaf replaced by a meta tensor
     placement: tuple[torch.Tensor, ...]  # per chunk, per tensor leaf: 1 = lives on the params' device, 0 = on the CPU
-    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # host storage: per chunk (current, spare); disk: ()
+    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # host storage: per chunk, its two slots; disk: ()
+    # host storage: int64 (2,), the commit each slot holds (-1 while written), shared by the states of one init
+    slot_serials: torch.Tensor
 
 
 class _Chunk(NamedTuple):
@@ -145,7 +147,18 @@ class _Session:
         self.state, self.file, self.durable = state, state_file, durable
         self.in_place = in_place and state_file is None  # a donated host state is updated in its own buffers
         self.staging: torch.Tensor | None = None
-        if state_file is not None:
+        if state_file is None:
+            serials = state.slot_serials
+            holding = (serials == state.serial).nonzero().flatten().tolist()
+            if not holding:
+                raise ValueError(
+                    f"stale paged state: it is commit {int(state.serial)}, but its buffers now hold commits "
+                    f"{serials.tolist()}; a paged state can be updated only while its buffers have not been "
+                    "overwritten (the latest state or the one before it, and not after donating it)"
+                )
+            self.read_slot = holding[0]
+            self.write_slot = self.read_slot if self.in_place else 1 - self.read_slot
+        else:
             if int(state.store_id) != state_file.file_id:
                 raise PagedStateFileError(
                     f"this paged state belongs to another file than {state_file.path} (was the file re-created "
@@ -155,19 +168,23 @@ class _Session:
             self.write_commit: Commit | None = None
 
     def begin(self) -> None:
-        if self.file is not None:
+        if self.file is None:
+            serials = self.state.slot_serials
+            self.new_serial = int(serials.max()) + 1  # before the invalidation: serials are never reused
+            serials[self.write_slot] = -1  # the slot about to be written holds no valid state until ``finish``
+        else:
             self.write_commit = self.file.begin(self.read_commit, self.durable)
 
     def read(self, k: int) -> torch.Tensor:
         if self.file is None:
-            return self.state.buffers[k][0]
+            return self.state.buffers[k][self.read_slot]
         return self.file.window(k, self.read_commit.slot)
 
     def write(self, k: int) -> torch.Tensor:
         """Host: the spare buffer. Disk: a reused staging buffer, only used as the working copy of a fused step;
         ``store`` writes leaves to the file with ``pwrite``."""
         if self.file is None:
-            return self.state.buffers[k][0 if self.in_place else 1]
+            return self.state.buffers[k][self.write_slot]
         size = self.file.chunk_sizes[k]
         if self.staging is None or self.staging.numel() < size:
             self.staging = torch.empty(max(self.file.chunk_sizes), dtype=torch.uint8)
@@ -183,10 +200,8 @@ class _Session:
     def finish(self) -> PagedState:
         state = self.state
         if self.file is None:
-            if self.in_place:
-                return state._replace(serial=state.serial + 1)
-            buffers = tuple((spare, current) for current, spare in state.buffers)
-            return state._replace(serial=state.serial + 1, buffers=buffers)
+            state.slot_serials[self.write_slot] = self.new_serial
+            return state._replace(serial=torch.tensor(self.new_serial, dtype=torch.int64))
         self.file.commit(self.write_commit, self.durable)
         return state._replace(serial=torch.tensor(self.write_commit.serial, dtype=torch.int64))
 
@@ -232,11 +247,11 @@ def page_state(
 
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
-    be retried from the state before it (a skipped step); a state older than that is refused as stale on disk (on the
-    host its buffers hold newer data: keep only the latest two). ``fadam.step`` applies each chunk's updates as soon as
-    they are computed, so with ``per_leaf=True`` the full update tree is never materialized either, and runs the inner
-    alias's fused kernel per chunk when the unpaged step would; with ``donate=True`` a host state is updated in its own
-    buffers (the caller gave it up), while a disk state still goes to the other copy (the file must stay consistent).
+    be retried from the state before it (a skipped step); a state older than that is refused as stale. ``fadam.step``
+    applies each chunk's updates as soon as they are computed, so with ``per_leaf=True`` the full update tree is never
+    materialized either, and runs the inner alias's fused kernel per chunk when the unpaged step would; with
+    ``donate=True`` a host state is updated in its own buffers (the caller gave it up), while a disk state still goes
+    to the other copy (the file must stay consistent).
 
     The storage lives outside autograd and ``torch.func``: page a state for eager training loops, not inside
     ``vmap``, ``grad`` or ``torch.compile``. One process at a time may use a state file.
@@ -320,10 +335,10 @@ def page_state(
                     write_chunk(description, state_leaves, leaf_places(state_leaves)[0])
 
         def write_host(description: dict, state_leaves: list[Any], places: list[LeafPlace]) -> None:
-            current, spare = host_buffers(description["size"], pin)
+            first, second = host_buffers(description["size"], pin)
             for place in places:
-                view_leaf(current, place).copy_(state_leaves[place.index])
-            buffers.append((current, spare))
+                view_leaf(first, place).copy_(state_leaves[place.index])
+            buffers.append((first, second))
 
         store_id = 0
         if storage == "host":
@@ -362,6 +377,7 @@ def page_state(
             tuple(layouts),
             tuple(placements),
             tuple(buffers),
+            torch.tensor([0, -1] if storage == "host" else [], dtype=torch.int64),
         )
 
     def run(
