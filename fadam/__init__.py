@@ -45,6 +45,15 @@ from fadam.combinators._wrappers import (
     zero_nans,
 )
 from fadam.meta import MetaOptimizer, MetaSnapshot, stop_gradient
+from fadam.paging import (
+    PagedState,
+    PagedStateFileError,
+    page_state,
+    paged_adam,
+    paged_adam8bit,
+    paged_adamw,
+    paged_adamw8bit,
+)
 from fadam.quantization import QuantizedArray, QuantizedState, quantize_state
 from fadam.quantization._aliases import adam4bit, adam8bit, adamw4bit, adamw8bit, lion8bit, sgd8bit
 from fadam.schedules import (
@@ -108,6 +117,8 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "Optimizer",
+    "PagedState",
+    "PagedStateFileError",
     "PartitionState",
     "QuantizedArray",
     "QuantizedState",
@@ -161,6 +172,11 @@ __all__ = [
     "nadam",
     "nadamw",
     "named_chain",
+    "page_state",
+    "paged_adam",
+    "paged_adam8bit",
+    "paged_adamw",
+    "paged_adamw8bit",
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",

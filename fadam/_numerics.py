@@ -39,6 +39,8 @@ def dtype_for(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | 
     if dtype is None or not tensor.is_complex() or dtype.is_complex:
         return dtype
     return dtype.to_complex()
+
+
 def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     """``sqrt(x)`` whose derivatives of every order are finite at 0 (they are 0 there); equal to ``torch.sqrt``.
 

@@ -27,6 +27,14 @@ def _half_lr(count: torch.Tensor) -> torch.Tensor:
 # name -> builders of a transform. Give each factory its interesting configurations; ``complex`` says whether the
 # transform accepts complex params (clip does not: clamp has no order on complex numbers).
 FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
+    "page_state": [
+        lambda: fadam.page_state(fadam.scale_by_adam(), chunk_bytes=256, per_leaf=True),
+        lambda: fadam.page_state(fadam.chain(fadam.clip_by_global_norm(1.0), fadam.trace(0.9)), storage="disk"),
+    ],
+    "paged_adam": [lambda: fadam.paged_adam(1e-2, chunk_bytes=256)],
+    "paged_adam8bit": [lambda: fadam.paged_adam8bit(1e-2, storage="disk", min_size=0)],
+    "paged_adamw": [lambda: fadam.paged_adamw(1e-2, storage="disk", chunk_bytes=256)],
+    "paged_adamw8bit": [lambda: fadam.paged_adamw8bit(1e-2, min_size=0)],
     "adam4bit": [lambda: fadam.adam4bit(1e-2, min_size=0)],
     "adam8bit": [lambda: fadam.adam8bit(1e-2, min_size=0), lambda: fadam.adam8bit(1e-2, weight_decay=0.1)],
     "adamw4bit": [lambda: fadam.adamw4bit(1e-2, amsgrad=True, min_size=0)],
@@ -138,6 +146,8 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     ],
 }
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
+# factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
+HANDLE_STATE = {"page_state", "paged_adam", "paged_adam8bit", "paged_adamw", "paged_adamw8bit"}
 
 
 def _returns_transform(obj: Any) -> bool:
@@ -195,13 +205,18 @@ def _grads(params: dict, steps: int) -> list[dict]:
     return grads
 
 
-def check_purity(tx: fadam.GradientTransformation, params: Any, grads: list[Any]) -> None:
-    """Runs init, then per step update, apply_updates and fadam.step, proving every input is left untouched."""
+def check_purity(tx: fadam.GradientTransformation, params: Any, grads: list[Any], handle: bool = False) -> None:
+    """Runs init, then per step update, apply_updates and fadam.step, proving every input is left untouched.
+
+    ``handle``: the state is a handle to storage outside the tensors (paged state), whose update writes the storage's
+    spare slot by design; params, gradients and updates are still checked, and ``fadam.step`` runs on its own handle.
+    """
     before = snapshot(params)
     state = tx.init(params)
+    step_state = tx.init(params) if handle else state
     assert_unchanged(before, "init: params")
     for index, g in enumerate(grads):
-        inputs = snapshot(params), snapshot(g), snapshot(state)
+        inputs = snapshot(params), snapshot(g), snapshot(state if not handle else None)
         updates, new_state = tx.update(g, state, params, unused_extra_arg=torch.ones(2))
         for snap, what in zip(inputs, ("params", "updates", "state")):
             assert_unchanged(snap, f"step {index}, update: {what}")
@@ -211,13 +226,14 @@ def check_purity(tx: fadam.GradientTransformation, params: Any, grads: list[Any]
         for snap, what in zip(applied, ("params", "updates")):
             assert_unchanged(snap, f"step {index}, apply_updates: {what}")
 
-        stepped = snapshot(params), snapshot(g), snapshot(state)
-        step_params, _ = fadam.step(tx, params, g, state)
+        stepped = snapshot(params), snapshot(g), snapshot(step_state if not handle else None)
+        step_params, stepped_state = fadam.step(tx, params, g, step_state)
         for snap, what in zip(stepped, ("params", "grads", "state")):
             assert_unchanged(snap, f"step {index}, fadam.step: {what}")
         for (path, a), (_, b) in zip(tensor_leaves(step_params), tensor_leaves(new_params), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=path)  # both paths computed the same step
         params, state = new_params, new_state
+        step_state = stepped_state if handle else new_state
 
 
 @pytest.mark.parametrize(
@@ -225,13 +241,13 @@ def check_purity(tx: fadam.GradientTransformation, params: Any, grads: list[Any]
 )
 def test_public_factory_is_pure(name, index):
     params = _params(complex_leaf=name not in REAL_ONLY)
-    check_purity(FACTORIES[name][index](), params, _grads(params, steps=3))
+    check_purity(FACTORIES[name][index](), params, _grads(params, steps=3), handle=name in HANDLE_STATE)
 
 
 @pytest.mark.parametrize("row", ALL_ROWS, ids=str)
 def test_conformance_row_is_pure(row):
     params = _params(complex_leaf=row.complex_params)
-    check_purity(row.build(), params, _grads(params, steps=3))
+    check_purity(row.build(), params, _grads(params, steps=3), handle=not row.value_state)
 
 
 def test_purity_check_detects_in_place_writes():

@@ -12,9 +12,14 @@ from fadam._tree import tree_paths
 
 
 def tensor_leaves(tree: Any) -> list[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` for every tensor leaf (``None`` and non-tensor leaves are left out)."""
+    """``(path, tensor)`` for every tensor leaf holding data (``None``, non-tensor leaves and the meta tensors that
+    record a layout, as paged state has, are left out)."""
     leaves = optree.tree_leaves(tree, none_is_leaf=True)
-    return [(path, leaf) for path, leaf in zip(tree_paths(tree), leaves) if isinstance(leaf, torch.Tensor)]
+    return [
+        (path, leaf)
+        for path, leaf in zip(tree_paths(tree), leaves)
+        if isinstance(leaf, torch.Tensor) and not leaf.is_meta
+    ]
 
 
 def snapshot(tree: Any) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
@@ -43,6 +48,8 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a = torch.view_as_real(actual) if actual.is_complex() else actual
     b = torch.view_as_real(expected) if expected.is_complex() else expected
     a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    if b.numel() == 0:
+        return 0.0
     scale = b.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     return float((a - b).abs().max() / scale)
 

@@ -91,6 +91,8 @@ def _add_scaled(x: torch.Tensor, y: torch.Tensor, factor: float | torch.Tensor) 
     if isinstance(factor, torch.Tensor):
         return torch.addcmul(x, y, factor.to(y.dtype))
     return torch.add(x, y, alpha=factor)
+
+
 class EmaState(NamedTuple):
     count: torch.Tensor  # 0-d int32: steps taken (for the debiasing)
     ema: PyTree
@@ -118,7 +120,9 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
     def init(params: PyTree) -> EmaState:
         return EmaState(
             zero_count(),
-            tree_map(lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype)), params),
+            tree_map(
+                lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype)), params
+            ),
         )
 
     def update(updates: PyTree, state: EmaState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmaState]:

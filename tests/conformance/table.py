@@ -26,6 +26,10 @@ class Row:
     complex_params: bool = True  # accepts complex params
     # 'torch' rows are checked against torch_cls; 'equations' rows by their own module's tests
     reference: str = "torch"
+    # False for optimizers whose state is a handle to storage outside the tensors (paged state): torch.func's vmap
+    # and grad refuse it with a clear error, which the battery checks instead; two inits hold different handles, so
+    # batteries compare such a row's params, not its state
+    value_state: bool = True
 
     def build(self) -> fadam.GradientTransformation:
         return self.make(**self.kwargs)

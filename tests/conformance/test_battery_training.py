@@ -43,7 +43,9 @@ def _assert_trees_equal(a, b, what: str) -> None:
     la, lb = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
     assert optree.tree_structure(a, none_is_leaf=True) == optree.tree_structure(b, none_is_leaf=True), what
     for path, x, y in zip(paths, la, lb):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and x.is_meta:  # a layout record (paged state): no values to compare
+            assert y.is_meta and x.shape == y.shape and x.dtype == y.dtype, f"{what}: {path} differs"
+        elif isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {path} differs"
         else:
             assert x == y, f"{what}: {path} differs"
@@ -58,7 +60,8 @@ def test_inject_hyperparams_is_bit_identical(row: Row, fused: bool):
     want_params, want_state = _run(plain, params, plain.init(params), range(5), fused=fused)
     got_params, got_state = _run(wrapped, params, wrapped.init(params), range(5), fused=fused)
     _assert_trees_equal(got_params, want_params, "params")
-    _assert_trees_equal(got_state.inner_state, want_state, "inner state")
+    if row.value_state:  # a handle to paged storage differs between two inits; its params are compared
+        _assert_trees_equal(got_state.inner_state, want_state, "inner state")
     numeric = {k for k, v in row.kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert numeric <= set(got_state.hyperparams)
     for name in numeric:
@@ -75,7 +78,8 @@ def test_composes_with_multisteps(row: Row, fused: bool):
     want_params, want_state = _run(plain, params, plain.init(params), range(4), fused=fused)
     got_params, got_state = _run(one, params, one.init(params), range(4), fused=fused)
     _assert_trees_equal(got_params, want_params, "params (k=1)")
-    _assert_trees_equal(got_state.inner_opt_state, want_state, "inner state (k=1)")
+    if row.value_state:  # a handle to paged storage differs between two inits; its params are compared
+        _assert_trees_equal(got_state.inner_opt_state, want_state, "inner state (k=1)")
 
     # k = 2: every second mini-step is the plain optimizer stepping on the running mean of the pair
     two = fadam.MultiSteps(row.build(), every_k_schedule=2).gradient_transformation()
@@ -87,7 +91,8 @@ def test_composes_with_multisteps(row: Row, fused: bool):
 
     want_params, want_state = _run(plain, params, plain.init(params), range(3), grads_fn=mean_of_pair, fused=fused)
     _assert_trees_equal(got_params, want_params, "params (k=2)")
-    _assert_trees_equal(got_state.inner_opt_state, want_state, "inner state (k=2)")
+    if row.value_state:  # a handle to paged storage differs between two inits; its params are compared
+        _assert_trees_equal(got_state.inner_opt_state, want_state, "inner state (k=2)")
 
 
 def _checkpoint(state) -> dict:
@@ -101,9 +106,12 @@ def _checkpoint(state) -> dict:
 def test_checkpoint_round_trip_and_resume(row: Row):
     params = _params(row)
     tx = row.build()
+    reference = row.build()  # the uninterrupted run
+    want_params, want_state = _run(reference, params, reference.init(params), range(7))
     params, state = _run(tx, params, tx.init(params), range(3))
     restored = fadam.state_from_dict(tx.init(params), _checkpoint(state))
     _assert_trees_equal(restored, state, "restored state")
-    want = _run(tx, params, state, range(3, 7))
-    got = _run(tx, params, restored, range(3, 7))
-    _assert_trees_equal(got, want, "resumed run")
+    got_params, got_state = _run(tx, params, restored, range(3, 7))
+    _assert_trees_equal(got_params, want_params, "resumed params")
+    if row.value_state:
+        _assert_trees_equal(got_state, want_state, "resumed state")

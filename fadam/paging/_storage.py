@@ -1,0 +1,351 @@
+"""Where paged state lives between steps: host buffers, or a crash-consistent memory-mapped file.
+
+Both storages hold every chunk of the inner state twice (two *slots*): an update reads the current slot and writes the
+other one, so the state passed to ``update`` is never overwritten while it is read, and a crash mid-update leaves the
+current slot intact.
+
+The disk file is its own checkpoint::
+
+    [header page][chunk 0: slot 0 | slot 1][chunk 1: slot 0 | slot 1] ... [description (JSON)]
+
+The header holds a magic, the format version, a random file id, the SHA-256 fingerprint of the description (for
+each chunk: the param leaves it covers, the inner state's tree structure, and the shape and dtype of every state leaf)
+and two commit records, one per slot: ``(serial, generation, crc32)``. An update invalidates the record of the slot
+it is about to write, writes the data, then writes that record with a new serial: the record is the commit marker and
+it is written last. On load, the valid record with the highest serial names the slot to read; a file without one is
+reported as incomplete. Reads map the chunk being read; writes use ``pwrite``, so only about two chunks are resident.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import mmap
+import os
+import secrets
+import struct
+import warnings
+import weakref
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_VERSION = 1
+MAGIC = b"FADAMPG\x00"
+RECORD_MAGIC = b"COMMIT\x00\x00"
+PAGE = mmap.ALLOCATIONGRANULARITY  # mmap offsets must be multiples of it
+LEAF_ALIGN = 64
+_HEADER = struct.Struct("<8sIIq32sqq")  # magic, version, reserved, file id, fingerprint, description offset, length
+_RECORD = struct.Struct("<8sqqq")  # magic, serial, generation, slot
+_RECORD_OFFSETS = (1024, 2048)
+
+
+def align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class LeafPlace:
+    """Where one tensor leaf of a chunk's state lies inside the chunk's bytes."""
+
+    index: int  # position among the chunk state's flattened leaves
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def leaf_places(meta_leaves: list[object]) -> tuple[list[LeafPlace], int]:
+    """Packs the tensor leaves of one chunk, each aligned to 64 bytes; returns the places and the chunk's size."""
+    places, offset = [], 0
+    for index, leaf in enumerate(meta_leaves):
+        if isinstance(leaf, torch.Tensor):
+            nbytes = leaf.numel() * leaf.element_size()
+            places.append(LeafPlace(index, offset, nbytes, tuple(leaf.shape), leaf.dtype))
+            offset = align(offset + nbytes, LEAF_ALIGN)
+    return places, align(offset, PAGE)
+
+
+def view_leaf(buffer: torch.Tensor, place: LeafPlace) -> torch.Tensor:
+    """A zero-copy view of ``place`` in a flat uint8 ``buffer``."""
+    return buffer[place.offset : place.offset + place.nbytes].view(place.dtype).view(place.shape)
+
+
+def host_buffers(nbytes: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two slots of one chunk in host memory (page-locked when the state is used on an accelerator)."""
+    return (_page_locked(nbytes), _page_locked(nbytes)) if pin else (_host(nbytes), _host(nbytes))
+
+
+def _host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _page_locked(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory of exactly ``nbytes``.
+
+    ``pin_memory=True`` goes through torch's caching host allocator, which rounds every block up to a power of two:
+    a 64 MiB + 4 KiB chunk would take 128 MiB. Registering an ordinary allocation with the CUDA driver pins exactly
+    what is asked for; the caching allocator is the fallback.
+    """
+    buffer = _host(nbytes)
+    if nbytes:
+        try:
+            cudart = torch.cuda.cudart()
+            if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) == 0:
+                weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+                return buffer
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def fingerprint(description: dict) -> bytes:
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).digest()
+
+
+class PagedStateFileError(RuntimeError):
+    """A paged-state file that cannot be used: incomplete, corrupt, from another model, or stale."""
+
+
+@dataclass(frozen=True)
+class Commit:
+    serial: int
+    generation: int
+    slot: int
+
+
+def _os_error(err: OSError, path: str, doing: str, nbytes: int | None = None) -> OSError:
+    """The same kind of OSError, with a message that says what fadam was doing and where."""
+    if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        need = f" ({nbytes / 2**30:.3f} GiB)" if nbytes is not None else ""
+        message = f"not enough space to {doing} {path}{need}: {os.strerror(err.errno)} (disk full or file size limit)"
+    else:
+        message = f"cannot {doing} {path}: {os.strerror(err.errno) if err.errno else err}"
+    return type(err)(err.errno, message)
+
+
+class StateFile:
+    """A paged-state file: opened per use, mapped one chunk window at a time, so resident memory stays bounded."""
+
+    def __init__(self, path: str, fd: int, file_id: int, description: dict, chunk_offsets: list[int]) -> None:
+        self.path, self.fd, self.file_id = path, fd, file_id
+        self.description = description
+        self.chunk_offsets = chunk_offsets
+        self.chunk_sizes = [chunk["size"] for chunk in description["chunks"]]
+
+    # creation ---------------------------------------------------------------------------------------------------
+    @classmethod
+    @contextmanager
+    def create(cls, path: str, durable: bool = False) -> Iterator[_Builder]:
+        """Builds a new file beside ``path`` and renames it over ``path`` only once it is complete."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as err:
+            raise _os_error(err, path, "create the paged state file") from None
+        builder = _Builder(path, fd)
+        try:
+            yield builder
+            builder.finish(durable)
+            os.replace(tmp, path)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+
+    @classmethod
+    def open(cls, path: str, writable: bool = True) -> StateFile:
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except OSError as err:
+            raise _os_error(err, path, "open the paged state file") from None
+        try:
+            head = os.pread(fd, _HEADER.size, 0)
+            if len(head) < _HEADER.size or head[:8] != MAGIC:
+                raise PagedStateFileError(f"{path} is not a fadam paged-state file (bad magic)")
+            _, version, _, file_id, digest, desc_offset, desc_length = _HEADER.unpack(head)
+            if version != FORMAT_VERSION:
+                raise PagedStateFileError(f"{path} has format version {version}; this fadam reads {FORMAT_VERSION}")
+            if desc_length <= 0:
+                raise PagedStateFileError(f"{path} is incomplete: its creation was interrupted (no description)")
+            raw = os.pread(fd, desc_length, desc_offset)
+            if len(raw) != desc_length or hashlib.sha256(raw).digest() != digest:
+                raise PagedStateFileError(f"{path} is truncated or corrupt: its description does not match its hash")
+            description = json.loads(raw)
+            offsets = [chunk["offset"] for chunk in description["chunks"]]
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, file_id, description, offsets)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    # commits ----------------------------------------------------------------------------------------------------
+    def _read_record(self, slot: int) -> Commit | None:
+        raw = os.pread(self.fd, _RECORD.size + 4, _RECORD_OFFSETS[slot])
+        if len(raw) != _RECORD.size + 4:
+            return None
+        body, (crc,) = raw[: _RECORD.size], struct.unpack("<I", raw[_RECORD.size :])
+        magic, serial, generation, record_slot = _RECORD.unpack(body)
+        if magic != RECORD_MAGIC or zlib.crc32(body + self._salt()) != crc or record_slot != slot:
+            return None
+        return Commit(serial, generation, slot)
+
+    def _salt(self) -> bytes:
+        # ties a record to this file's id, so a record copied from another file never validates
+        return struct.pack("<q", self.file_id)
+
+    def _write_record(self, slot: int, commit: Commit | None, durable: bool) -> None:
+        if commit is None:
+            raw = bytes(_RECORD.size + 4)
+        else:
+            body = _RECORD.pack(RECORD_MAGIC, commit.serial, commit.generation, slot)
+            raw = body + struct.pack("<I", zlib.crc32(body + self._salt()))
+        self._pwrite(raw, _RECORD_OFFSETS[slot])
+        if durable:
+            os.fsync(self.fd)
+
+    def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
+        try:
+            written = os.pwrite(self.fd, data, offset)
+        except OSError as err:
+            raise _os_error(err, self.path, "write the paged state file") from None
+        if written != len(data):
+            raise _os_error(OSError(errno.ENOSPC, "short write"), self.path, "write the paged state file")
+
+    def commits(self) -> list[Commit]:
+        return [c for c in (self._read_record(0), self._read_record(1)) if c is not None]
+
+    def latest(self) -> Commit:
+        commits = self.commits()
+        if not commits:
+            raise PagedStateFileError(
+                f"{self.path} is incomplete: no committed state (the first update or the creation was interrupted)"
+            )
+        return max(commits, key=lambda c: c.serial)
+
+    def find(self, serial: int) -> Commit:
+        for commit in self.commits():
+            if commit.serial == serial:
+                return commit
+        latest = max((c.serial for c in self.commits()), default=None)
+        raise PagedStateFileError(
+            f"stale paged state: it is commit {serial} of {self.path}, which now holds commit {latest}; a paged "
+            "state can be updated only while its slot has not been overwritten (the latest state or the one before it)"
+        )
+
+    def begin(self, read: Commit, durable: bool) -> Commit:
+        """Invalidates the other slot before it is overwritten; returns the commit that ``commit`` will write."""
+        serial = max(c.serial for c in self.commits()) + 1  # before the invalidation: serials are never reused
+        target = 1 - read.slot
+        self._write_record(target, None, durable)
+        return Commit(serial, read.generation + 1, target)
+
+    def commit(self, commit: Commit, durable: bool) -> None:
+        if durable:
+            os.fsync(self.fd)  # the data reaches the disk before the record that makes it current
+        self._write_record(commit.slot, commit, durable)
+
+    # data -------------------------------------------------------------------------------------------------------
+    def window(self, chunk: int, slot: int) -> torch.Tensor:
+        """The bytes of one chunk's slot, read-only, as a uint8 tensor over a memory map of just that range.
+
+        The map is released as soon as the last tensor viewing it dies, which keeps resident memory to the chunks in
+        use. It is read-only: an inner transform that wrote into its input state would fault, not corrupt the file.
+        """
+        size = self.chunk_sizes[chunk]
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        offset = self.chunk_offsets[chunk] + slot * size
+        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": by design
+            return torch.frombuffer(mapped, dtype=torch.uint8)
+
+    def read_into(self, chunk: int, slot: int, buffer: torch.Tensor) -> None:
+        """Copies one chunk's slot into ``buffer`` (contiguous uint8, CPU) with ``pread``: no page faults."""
+        size = self.chunk_sizes[chunk]
+        if size == 0:
+            return
+        data = memoryview((ctypes.c_char * size).from_address(buffer.data_ptr())).cast("B")
+        offset, done = self.chunk_offsets[chunk] + slot * size, 0
+        while done < size:
+            n = os.preadv(self.fd, [data[done:]], offset + done)
+            if n <= 0:
+                raise PagedStateFileError(f"{self.path} is truncated: chunk {chunk} ends early")
+            done += n
+
+    def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor) -> None:
+        """Writes one leaf with ``pwrite``: one copy into the page cache, no page faults, nothing left mapped."""
+        if place.nbytes == 0:
+            return
+        tensor = tensor.detach().to("cpu").contiguous()
+        data = (ctypes.c_char * place.nbytes).from_address(tensor.data_ptr())
+        self._pwrite(
+            memoryview(data).cast("B"), self.chunk_offsets[chunk] + slot * self.chunk_sizes[chunk] + place.offset
+        )
+
+    def advise(self, chunk: int, slot: int) -> None:
+        """Starts reading a chunk's slot into the page cache in the background (overlaps disk reads with compute)."""
+        size = self.chunk_sizes[chunk]
+        if size:
+            with suppress(AttributeError, OSError):
+                os.posix_fadvise(self.fd, self.chunk_offsets[chunk] + slot * size, size, os.POSIX_FADV_WILLNEED)
+
+
+class _Builder:
+    """Writes a new file chunk by chunk: each chunk's space is reserved (so a full disk fails here, not with SIGBUS
+    on a later write through the map), then its initial state goes into slot 0."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+        self.file_id = secrets.randbits(63)
+        self.end = PAGE
+        self.chunks: list[dict] = []
+
+    def reserve(self, size: int) -> int:
+        offset = self.end
+        if size:
+            try:
+                os.posix_fallocate(self.fd, offset, 2 * size)
+            except OSError as err:
+                raise _os_error(err, self.path, "reserve space for the paged state file", offset + 2 * size) from None
+        self.end = offset + 2 * size
+        return offset
+
+    def add_chunk(self, chunk: dict, leaves: list[torch.Tensor], places: list[LeafPlace]) -> None:
+        offset = self.reserve(chunk["size"])
+        self.chunks.append({**chunk, "offset": offset})
+        if chunk["size"]:
+            mapped = mmap.mmap(self.fd, chunk["size"], access=mmap.ACCESS_WRITE, offset=offset)
+            buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+            for place in places:
+                view_leaf(buffer, place).copy_(leaves[place.index])
+            del buffer
+            mapped.close()
+
+    def finish(self, durable: bool) -> None:
+        description = {"version": FORMAT_VERSION, "chunks": self.chunks}
+        raw = json.dumps(description, sort_keys=True).encode()
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.file_id, hashlib.sha256(raw).digest(), self.end, len(raw))
+        state_file = StateFile(self.path, self.fd, self.file_id, description, [])
+        for data, offset in ((raw, self.end), (header, 0)):
+            state_file._pwrite(data, offset)
+        state_file._write_record(0, Commit(1, 0, 0), durable=False)
+        state_file._write_record(1, None, durable=False)
+        if durable:
+            os.fsync(self.fd)  # a new checkpoint is on the disk before it replaces the old one
+
+
+def release_freed_memory() -> None:
+    """Hands memory that was freed back to the system (glibc keeps freed blocks up to 32 MiB in its heap, so the
+    chunk-by-chunk creation of a large state would otherwise stay in the resident set); a no-op elsewhere."""
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)

@@ -1,0 +1,641 @@
+"""``page_state``: keep any transform's state off the compute device and stream it in, chunk by chunk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch._C import _functorch
+
+from fadam._base import FusibleUpdate, GradientTransformation
+from fadam._dispatch import can_fuse, is_plain
+from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
+from fadam.paging._storage import (
+    Commit,
+    LeafPlace,
+    PagedStateFileError,
+    StateFile,
+    host_buffers,
+    leaf_places,
+    release_freed_memory,
+    view_leaf,
+)
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class PagedState(NamedTuple):
+    """The state of ``page_state``: where the inner state lives and how it is laid out, never the state itself on
+    the compute device."""
+
+    serial: torch.Tensor  # 0-d int64: the commit this state is (disk: names the slot holding it)
+    store_id: torch.Tensor  # 0-d int64: the disk file's random id (0 for host storage)
+    path: torch.Tensor  # uint8: the disk file's path, UTF-8 (empty for host storage)
+    chunks: tuple[torch.Tensor, ...]  # per chunk: int64 indices of the param leaves it covers
+    layout: tuple[PyTree, ...]  # per chunk: the inner state, every tensor leaf replaced by a meta tensor
+    placement: tuple[torch.Tensor, ...]  # per chunk, per tensor leaf: 1 = lives on the params' device, 0 = on the CPU
+    buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # host storage: per chunk, its two slots; disk: ()
+    # host storage: int64 (2,), the commit each slot holds (-1 while written), shared by the states of one init
+    slot_serials: torch.Tensor
+
+
+class _Chunk(NamedTuple):
+    spec: Any
+    meta_leaves: list[Any]
+    places: list[LeafPlace]
+    size: int
+    on_device: list[bool]  # per place
+
+
+def _chunk(layout: PyTree, placement: torch.Tensor) -> _Chunk:
+    meta_leaves, spec = tree_flatten(layout)
+    places, size = leaf_places(meta_leaves)
+    return _Chunk(spec, meta_leaves, places, size, [bool(x) for x in placement.tolist()])
+
+
+def _describe(layout: PyTree, group: list[int]) -> dict:
+    meta_leaves, spec = tree_flatten(layout)
+    places, size = leaf_places(meta_leaves)
+    leaves = [[list(place.shape), str(place.dtype).removeprefix("torch.")] for place in places]
+    return {"params": group, "tree": str(spec), "leaves": leaves, "size": size}
+
+
+def _tensor_bytes(tree: PyTree) -> int:
+    return sum(x.numel() * x.element_size() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
+
+
+def _probe_bytes(inner: GradientTransformation, leaf: Any) -> int:
+    """Bytes of ``inner``'s state for one param leaf, from an init on the meta device (no memory) where it works."""
+    if isinstance(leaf, torch.Tensor):
+        try:
+            return _tensor_bytes(inner.init([torch.empty_like(leaf, device="meta")]))
+        except Exception:  # an init that needs real values (e.g. data-dependent): measure it for real
+            pass
+    return _tensor_bytes(inner.init([leaf]))
+
+
+def _plan(inner: GradientTransformation, leaves: list[Any], chunk_bytes: int) -> list[list[int]]:
+    """Groups consecutive param leaves of one device into chunks of about ``chunk_bytes`` of inner state each."""
+    groups: list[list[int]] = []
+    size, device = 0, None
+    for index, leaf in enumerate(leaves):
+        nbytes = _probe_bytes(inner, leaf)
+        leaf_device = leaf.device if isinstance(leaf, torch.Tensor) else None
+        if not groups or leaf_device != device or (size + nbytes > chunk_bytes and groups[-1]):
+            groups.append([])
+            size, device = 0, leaf_device
+        groups[-1].append(index)
+        size += nbytes
+    return groups
+
+
+def _first_difference(found: dict, expected: dict) -> str:
+    chunks_found, chunks_expected = found["chunks"], expected["chunks"]
+    if len(chunks_found) != len(chunks_expected):
+        return (
+            f"it has {len(chunks_found)} chunks, this model and optimizer make {len(chunks_expected)} "
+            "(same params, inner transform and chunk_bytes?)"
+        )
+    for k, (a, b) in enumerate(zip(chunks_found, chunks_expected)):
+        if a["params"] != b["params"]:
+            return f"chunk {k} covers param leaves {a['params'][:8]}..., expected {b['params'][:8]}..."
+        if a["tree"] != b["tree"]:
+            return f"chunk {k} has state structure {a['tree']}, expected {b['tree']}"
+        for i, (x, y) in enumerate(zip(a["leaves"], b["leaves"])):
+            if x != y:
+                return f"chunk {k} state leaf {i} is {x[1]}{tuple(x[0])}, expected {y[1]}{tuple(y[0])}"
+        if len(a["leaves"]) != len(b["leaves"]):
+            return f"chunk {k} has {len(a['leaves'])} state leaves, expected {len(b['leaves'])}"
+    return "the descriptions differ"
+
+
+class _Streams:
+    """CUDA side streams: host-to-device copies of the next chunk and device-to-host write-back of the previous one
+    run while the current chunk computes on the caller's stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.main = torch.cuda.current_stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+
+def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, streams: _Streams | None) -> PyTree:
+    """One chunk's inner state on ``device``: CPU leaves are views of ``buffer``; device leaves are copies, made on
+    the copy stream when ``streams`` is given (``_pipeline`` makes the compute stream wait for them)."""
+    leaves = list(chunk.meta_leaves)
+    for place, on_device in zip(chunk.places, chunk.on_device):
+        view = view_leaf(buffer, place)
+        if on_device and device.type != "cpu":
+            if streams is not None:
+                with torch.cuda.stream(streams.h2d):
+                    view = view.to(device, non_blocking=True)
+            else:
+                view = view.to(device)
+        leaves[place.index] = view
+    return chunk.spec.unflatten(leaves)
+
+
+class _Session:
+    """One update's access to the storage: the buffer to read each chunk from, the buffer to write it to, and the
+    commit at the end."""
+
+    def __init__(self, state: PagedState, state_file: StateFile | None, durable: bool, in_place: bool) -> None:
+        self.state, self.file, self.durable = state, state_file, durable
+        self.in_place = in_place and state_file is None  # a donated host state is updated in its own buffers
+        self.staging: torch.Tensor | None = None
+        if state_file is None:
+            serials = state.slot_serials
+            holding = (serials == state.serial).nonzero().flatten().tolist()
+            if not holding:
+                raise ValueError(
+                    f"stale paged state: it is commit {int(state.serial)}, but its buffers now hold commits "
+                    f"{serials.tolist()}; a paged state can be updated only while its buffers have not been "
+                    "overwritten (the latest state or the one before it, and not after donating it)"
+                )
+            self.read_slot = holding[0]
+            self.write_slot = self.read_slot if self.in_place else 1 - self.read_slot
+        else:
+            if int(state.store_id) != state_file.file_id:
+                raise PagedStateFileError(
+                    f"this paged state belongs to another file than {state_file.path} (was the file re-created "
+                    "by another init?)"
+                )
+            self.read_commit = state_file.find(int(state.serial))
+            self.write_commit: Commit | None = None
+
+    def begin(self) -> None:
+        if self.file is None:
+            serials = self.state.slot_serials
+            self.new_serial = int(serials.max()) + 1  # before the invalidation: serials are never reused
+            serials[self.write_slot] = -1  # the slot about to be written holds no valid state until ``finish``
+        else:
+            self.write_commit = self.file.begin(self.read_commit, self.durable)
+
+    def read(self, k: int) -> torch.Tensor:
+        if self.file is None:
+            return self.state.buffers[k][self.read_slot]
+        return self.file.window(k, self.read_commit.slot)
+
+    def write(self, k: int) -> torch.Tensor:
+        """Host: the spare buffer. Disk: a reused staging buffer, only used as the working copy of a fused step;
+        ``store`` writes leaves to the file with ``pwrite``."""
+        if self.file is None:
+            return self.state.buffers[k][self.write_slot]
+        size = self.file.chunk_sizes[k]
+        if self.staging is None or self.staging.numel() < size:
+            self.staging = torch.empty(max(self.file.chunk_sizes), dtype=torch.uint8)
+        return self.staging[:size]
+
+    def store(self, k: int, place: LeafPlace, leaf: torch.Tensor) -> None:
+        self.file.write(k, self.write_commit.slot, place, leaf)
+
+    def advise(self, k: int) -> None:
+        if self.file is not None:
+            self.file.advise(k, self.read_commit.slot)
+
+    def finish(self) -> PagedState:
+        state = self.state
+        if self.file is None:
+            state.slot_serials[self.write_slot] = self.new_serial
+            return state._replace(serial=torch.tensor(self.new_serial, dtype=torch.int64))
+        self.file.commit(self.write_commit, self.durable)
+        return state._replace(serial=torch.tensor(self.write_commit.serial, dtype=torch.int64))
+
+
+def _refuse_functorch(leaves: list[Any], where: str) -> None:
+    """Paged state lives in a storage, not in the tensors passed in, so torch.func cannot batch or differentiate it."""
+    if any(isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x) for x in leaves):
+        raise ValueError(
+            f"page_state's {where} cannot run under torch.func transforms (vmap, grad): the state lives in host "
+            "memory or a file outside the traced tensors; vmap or differentiate the unpaged transform instead"
+        )
+
+
+def page_state(
+    inner: GradientTransformation,
+    storage: Literal["host", "disk"] = "host",
+    path: str | os.PathLike | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    per_leaf: bool = False,
+    resume: bool = False,
+    durable: bool = False,
+) -> GradientTransformation:
+    r"""Keeps ``inner``'s state in host memory or in a file and streams it to the compute device during ``update``.
+
+    The results are bit-identical to ``inner``'s: each chunk of state is copied to the device of its gradients,
+    ``inner`` updates it there, and the new state is written back to storage:
+
+    .. math::
+        (u_k, s_k') = \mathrm{inner.update}(g_k, \mathrm{fetch}(s_k), p_k), \quad \mathrm{store}(s_k'),
+        \quad k = 1, \dots, K
+
+    **Chunks.** With ``per_leaf=True`` the params are split into chunks of consecutive leaves holding about
+    ``chunk_bytes`` of inner state each, and ``inner`` runs on each chunk separately, with its own state (its params
+    are a list of that chunk's leaves, so a mask given as a tree shaped like the params needs ``per_leaf=False``; a
+    callable mask works either way). This is exact only for transforms whose update of one param leaf never looks at
+    another (Adam, AdamW, SGD, quantized state): declare it with ``per_leaf=True``. Anything that couples leaves
+    (``clip_by_global_norm``, a global norm) must use the default ``per_leaf=False``: the whole state is one chunk,
+    streamed in, updated once, streamed out; still bit-identical, but all of it is on the device during the update.
+    A single leaf is never split. At most two chunks of state are materialized at once: the one being updated and
+    the next one, whose copy runs while the current one computes (on CUDA on a side stream from page-locked memory;
+    from disk the kernel reads the next chunk ahead).
+
+    **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
+    ``"disk"``: a file at ``path``, read through a memory map of one chunk at a time and written with ``pwrite``, so
+    the state may exceed RAM and resident memory stays at about two chunks. The file is a checkpoint:
+    ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
+    optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
+    killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
+    is reported as incomplete. ``durable=True`` also flushes to the disk before each commit (power-loss safety, at the
+    cost of writing the state to the disk every step).
+
+    **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
+    returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
+    be retried from the state before it (a skipped step); a state older than that is refused as stale. ``fadam.step``
+    applies each chunk's updates as soon as they are computed, so with ``per_leaf=True`` the full update tree is never
+    materialized either, and runs the inner alias's fused kernel per chunk when the unpaged step would; with
+    ``donate=True`` a host state is updated in its own buffers (the caller gave it up), while a disk state still goes
+    to the other copy (the file must stay consistent).
+
+    The storage lives outside autograd and ``torch.func``: page a state for eager training loops, not inside
+    ``vmap``, ``grad`` or ``torch.compile``. One process at a time may use a state file.
+
+    Args:
+        inner: the transform whose state is paged.
+        storage: ``"host"`` or ``"disk"``.
+        path: the state file for ``"disk"``; ``None``: a new file in the temp directory per ``init``, removed once
+            no state refers to it.
+        chunk_bytes: target bytes of inner state per chunk (``per_leaf=True`` only).
+        per_leaf: ``inner`` treats each param leaf independently, so it may run chunk by chunk.
+        resume: ``init`` reopens the existing file at ``path`` instead of creating it.
+        durable: ``fsync`` the file before each commit.
+
+    Example:
+        >>> import torch, fadam
+        >>> params = {"w": torch.tensor([1.0, -1.0])}
+        >>> tx = fadam.page_state(fadam.adam(lr=0.1), per_leaf=True)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({"w": torch.tensor([0.5, -0.5])}, state, params)
+        >>> fadam.apply_updates(params, updates)["w"]
+        tensor([ 0.9000, -0.9000])
+
+    References:
+        Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022 (paged optimizers).
+        Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training", 2021.
+    """
+    if storage not in ("host", "disk"):
+        raise ValueError(f"storage must be 'host' or 'disk', got {storage!r}")
+    if storage == "host" and (path is not None or resume):
+        raise ValueError("path and resume apply to storage='disk' only")
+    if not chunk_bytes > 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if path is None and resume:
+        raise ValueError("resume=True needs the path of the state file")
+    given_path = os.fspath(path) if path is not None else None
+
+    def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
+        return [leaves[i] for i in group] if per_leaf else params
+
+    def init(params: PyTree) -> PagedState:
+        leaves, _ = tree_flatten(params)
+        _refuse_functorch(leaves, "init")
+        if per_leaf:
+            groups = _plan(inner, leaves, chunk_bytes)
+        else:
+            devices = {leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)}
+            if len(devices) > 1:
+                names = sorted(map(str, devices))
+                raise ValueError(f"page_state with per_leaf=False needs params on one device, got {names}")
+            groups = [list(range(len(leaves)))]
+        pin = (
+            storage == "host"
+            and torch.cuda.is_available()
+            and any(isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda" for leaf in leaves)
+        )
+        file_path = given_path
+        if storage == "disk" and file_path is None:
+            file_path = _temporary_path()  # a new file per init: states of separate inits stay independent
+        layouts, placements, buffers, descriptions = [], [], [], []
+
+        def build(write_chunk: Callable[[dict, list[Any], list[LeafPlace]], None] | None) -> None:
+            for group in groups:
+                inner_state = inner.init(chunk_params(leaves, params, group))
+                state_leaves, spec = tree_flatten(inner_state)
+                layouts.append(
+                    spec.unflatten(
+                        [
+                            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                            for x in state_leaves
+                        ]
+                    )
+                )
+                placements.append(
+                    torch.tensor(
+                        [x.device.type != "cpu" for x in state_leaves if isinstance(x, torch.Tensor)], dtype=torch.uint8
+                    )
+                )
+                description = _describe(layouts[-1], group)
+                descriptions.append(description)
+                if write_chunk is not None:
+                    write_chunk(description, state_leaves, leaf_places(state_leaves)[0])
+
+        def write_host(description: dict, state_leaves: list[Any], places: list[LeafPlace]) -> None:
+            first, second = host_buffers(description["size"], pin)
+            for place in places:
+                view_leaf(first, place).copy_(state_leaves[place.index])
+            buffers.append((first, second))
+
+        store_id = 0
+        if storage == "host":
+            build(write_host)
+        elif resume:
+            build(None)
+            release_freed_memory()
+            state_file = StateFile.open(file_path)
+            try:
+                found = state_file.description
+                expected = {"version": found["version"], "chunks": descriptions}
+                stripped = {**found, "chunks": [{k: v for k, v in c.items() if k != "offset"} for c in found["chunks"]]}
+                if stripped != expected:
+                    raise PagedStateFileError(
+                        f"{file_path} holds the state of a different model or optimizer: "
+                        f"{_first_difference(stripped, expected)}"
+                    )
+                serial, store_id = state_file.latest().serial, state_file.file_id
+            finally:
+                state_file.close()
+        else:
+            with StateFile.create(file_path, durable) as builder:
+                build(builder.add_chunk)
+                store_id, serial = builder.file_id, 1
+            release_freed_memory()
+        if storage == "host":
+            serial = 0
+        path_bytes = torch.tensor(list(file_path.encode()) if storage == "disk" else [], dtype=torch.uint8)
+        if storage == "disk" and given_path is None:
+            weakref.finalize(path_bytes, _remove, file_path)  # the temporary file lives as long as its states
+        return PagedState(
+            torch.tensor(serial, dtype=torch.int64),
+            torch.tensor(store_id, dtype=torch.int64),
+            path_bytes,
+            tuple(torch.tensor(group, dtype=torch.int64) for group in groups),
+            tuple(layouts),
+            tuple(placements),
+            tuple(buffers),
+            torch.tensor([0, -1] if storage == "host" else [], dtype=torch.int64),
+        )
+
+    def run(
+        updates: PyTree,
+        state: PagedState,
+        params: PyTree | None,
+        extra_args: dict[str, Any],
+        consume: Callable[[list[int], PyTree], None],
+        fused: Callable[[list[int], PyTree, _Fetched], PyTree | None] | None = None,
+        in_place: bool = False,
+    ) -> PagedState:
+        """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits.
+
+        ``fused(group, grads, chunk)``, when given, may instead step the chunk's params with the inner transform's
+        fused kernel and return the chunk's new state (``None``: it cannot, take the general path).
+        """
+        if not isinstance(state, PagedState):
+            raise ValueError(f"page_state expected a PagedState, got {type(state).__name__}")
+        grad_leaves, _ = tree_flatten(updates)
+        groups = [group.tolist() for group in state.chunks]
+        count = sum(len(group) for group in groups)
+        if len(grad_leaves) != count:
+            raise ValueError(f"updates have {len(grad_leaves)} leaves but the paged state was built for {count} params")
+        if params is not None:
+            check_leaves(updates, params)
+        param_leaves = tree_flatten(params)[0] if params is not None else None
+        chunks = [_chunk(layout, placement) for layout, placement in zip(state.layout, state.placement)]
+        if storage == "host" and len(state.buffers) != len(chunks):
+            raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
+        state_file = StateFile.open(_path_of(state)) if storage == "disk" else None
+        try:
+            session = _Session(state, state_file, durable, in_place)
+            session.begin()
+            pipeline = _pipeline(session, chunks, groups, grad_leaves)
+            for k in range(len(chunks)):
+                # not enumerate/zip: their cached result tuple keeps the previous chunk alive during the next fetch
+                chunk = next(pipeline)
+                group = groups[k]
+                grads_k = [grad_leaves[i] for i in group] if per_leaf else updates
+                if fused is not None:
+                    new_state = fused(group, grads_k, chunk)
+                    if new_state is not None:
+                        chunk.store(_checked(new_state, chunks[k], k))
+                        del chunk, new_state
+                        continue
+                params_k = None if param_leaves is None else chunk_params(param_leaves, params, group)
+                chunk_updates, new_state = inner.update(grads_k, chunk.state, params_k, **extra_args)
+                new_leaves = _checked(new_state, chunks[k], k)
+                chunk.store(new_leaves)
+                consume(group, chunk_updates)
+                del chunk, new_state, new_leaves
+            next(pipeline, None)  # runs to the end: waits for the last write-backs
+            return session.finish()
+        finally:
+            if state_file is not None:
+                state_file.close()
+
+    def update(
+        updates: PyTree, state: PagedState, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PagedState]:
+        grad_leaves, spec = tree_flatten(updates)
+        _refuse_functorch(grad_leaves, "update")
+        out: list[Any] = [None] * len(grad_leaves)
+        whole: list[PyTree] = []
+
+        def collect(group: list[int], chunk_updates: PyTree) -> None:
+            if not per_leaf:
+                whole.append(chunk_updates)
+                return
+            for i, u in zip(group, chunk_updates):
+                out[i] = u
+
+        new_state = run(updates, state, params, extra_args, collect)
+        return (whole[0] if whole else spec.unflatten(out)), new_state
+
+    def fused_step(params: PyTree, grads: PyTree, state: PagedState, donate: bool) -> tuple[PyTree, PagedState] | None:
+        # applies each chunk's updates as soon as they exist, so the full update tree is never materialized
+        if not per_leaf:
+            return None
+        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        new_params = list(param_leaves)
+
+        def apply(group: list[int], chunk_updates: list[torch.Tensor | None]) -> None:
+            for i, u in zip(group, chunk_updates):
+                if u is None:
+                    continue
+                p = param_leaves[i]
+                u = u if u.dtype == p.dtype else u.to(p.dtype)
+                if donate and is_plain(p):
+                    with torch.no_grad():
+                        p.add_(u)
+                else:
+                    new_params[i] = p + u
+
+        inner_fused = getattr(inner.update, "fused_step", None)
+        if not can_fuse([*param_leaves, *grad_leaves]) or any(
+            p.dtype != g.dtype for p, g in zip(param_leaves, grad_leaves)
+        ):
+            # the unpaged step would take the general path for every leaf: so do all chunks, to round alike
+            inner_fused = None
+
+        def fused(group: list[int], grads_k: list[Any], chunk: _Fetched) -> PyTree | None:
+            # the inner alias's fused kernel (torch._fused_adam_ ...) steps this chunk in place, on state we own
+            params_k = [param_leaves[i] for i in group]
+            if not (donate and all(isinstance(p, torch.Tensor) and is_plain(p) for p in params_k)):
+                params_k = [p.clone() if isinstance(p, torch.Tensor) else p for p in params_k]
+            result = inner_fused(params_k, grads_k, chunk.owned(), True)
+            if result is None:
+                return None
+            for i, p in zip(group, result[0]):
+                new_params[i] = p
+            return result[1]
+
+        new_state = run(grads, state, params, {}, apply, fused if inner_fused is not None else None, donate)
+        return spec.unflatten(new_params), new_state
+
+    return GradientTransformation(init, FusibleUpdate(update, fused_step))
+
+
+class _Fetched:
+    """One chunk's state on the compute device (``state``, read-only), a copy of it that may be written in place
+    (``owned()``), and how its new state goes back to storage (``store``)."""
+
+    def __init__(self, state: PyTree, store: Callable[[list[Any]], None], owned: Callable[[], PyTree]) -> None:
+        self.state, self.store, self.owned = state, store, owned
+
+
+def _pipeline(
+    session: _Session, chunks: list[_Chunk], groups: list[list[int]], grad_leaves: list[Any]
+) -> Iterator[_Fetched]:
+    """Yields each chunk's state ready for compute, having started the copy of the next one.
+
+    On CUDA with page-locked host storage the next chunk's host-to-device copy and the previous chunk's write-back
+    run on side streams while the current chunk computes; before the next chunk is fetched, the previous chunk's
+    write-back is waited for, so the device holds at most two chunks of state: the one being updated (with its new
+    copy, unless updated in place) and the next one. Elsewhere copies are synchronous, and the kernel is asked to read
+    the next chunk ahead from disk.
+    """
+    devices = [_compute_device(group, grad_leaves) for group in groups]
+    pinned = session.file is None and any(b[0].is_pinned() for b in session.state.buffers[:1])
+    streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
+
+    def fetch(k: int) -> tuple[PyTree, Any, torch.Tensor]:
+        stream = streams.get(devices[k])
+        buffer = session.read(k)
+        state = _materialize(buffer, chunks[k], devices[k], stream)
+        event = stream.h2d.record_event() if stream is not None else None
+        return state, event, buffer
+
+    written: list[Any] = []
+    pending = fetch(0) if chunks else None
+    for k in range(len(chunks)):
+        state, event, source = pending
+        stream = streams.get(devices[k])
+        if stream is not None and written and written[-1] is not None:
+            written[-1].synchronize()  # bounds the device-resident state to this chunk and the next
+        if k + 1 < len(chunks):
+            session.advise(k + 1)
+            pending = fetch(k + 1)
+        if stream is not None:
+            stream.main.wait_event(event)
+            for leaf in tree_flatten(state)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                    leaf.record_stream(stream.main)
+        buffer = session.write(k)
+
+        def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
+            if session.file is not None:
+                for place in chunks[k].places:
+                    session.store(k, place, new_leaves[place.index])
+                written.append(None)
+                return
+            if stream is None:
+                for place in chunks[k].places:
+                    view, leaf = view_leaf(buffer, place), new_leaves[place.index]
+                    if leaf.data_ptr() != view.data_ptr():  # not already updated in place (see ``owned``)
+                        view.copy_(leaf)
+                written.append(None)
+                return
+            done = stream.main.record_event()
+            with torch.cuda.stream(stream.d2h):
+                stream.d2h.wait_event(done)
+                for place in chunks[k].places:
+                    leaf = new_leaves[place.index]
+                    view_leaf(buffer, place).copy_(leaf, non_blocking=True)
+                    if leaf.device.type == "cuda":
+                        leaf.record_stream(stream.d2h)
+            written.append(stream.d2h.record_event())
+
+        def owned(k: int = k, state: PyTree = state, buffer: Any = buffer, source: Any = source) -> PyTree:
+            if devices[k].type == "cpu":
+                # the spare slot (disk: the staging buffer) becomes the working copy
+                if session.file is not None:
+                    session.file.read_into(k, session.read_commit.slot, buffer)
+                elif buffer.data_ptr() != source.data_ptr():
+                    buffer.copy_(source)
+                return _materialize(buffer, chunks[k], devices[k], None)
+            # device leaves are already private copies; host-side ones (step counts) still view the storage
+            leaves, spec = tree_flatten(state)
+            return spec.unflatten(
+                [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in leaves]
+            )
+
+        yield _Fetched(state, store, owned)
+        del state, buffer, store, owned, source
+    for stream in streams.values():
+        stream.d2h.synchronize()
+
+
+def _compute_device(group: list[int], grad_leaves: list[Any]) -> torch.device:
+    for i in group:
+        g = grad_leaves[i]
+        if isinstance(g, torch.Tensor):
+            return g.device
+    return torch.device("cpu")
+
+
+def _checked(new_state: PyTree, chunk: _Chunk, k: int) -> list[Any]:
+    """The new state's leaves, after checking that ``inner`` kept the layout the storage was built for."""
+    leaves, spec = tree_flatten(new_state)
+    if spec != chunk.spec:
+        raise RuntimeError(f"the inner transform changed its state structure in chunk {k}: {spec} vs {chunk.spec}")
+    for index, (leaf, meta) in enumerate(zip(leaves, chunk.meta_leaves)):
+        where = f"chunk {k} state leaf {path_str(spec.paths()[index])}"
+        if isinstance(meta, torch.Tensor):
+            if not isinstance(leaf, torch.Tensor) or leaf.shape != meta.shape or leaf.dtype != meta.dtype:
+                raise RuntimeError(
+                    f"the inner transform returned {type(leaf).__name__} {getattr(leaf, 'dtype', '')}"
+                    f"{tuple(getattr(leaf, 'shape', ()))} at {where}, its storage holds {meta.dtype}{tuple(meta.shape)}"
+                )
+        elif leaf is not meta and leaf != meta:
+            raise RuntimeError(f"paged state holds tensors only; the non-tensor leaf at {where} changed")
+    return leaves
+
+
+def _temporary_path() -> str:
+    fd, path = tempfile.mkstemp(prefix="fadam-paged-", suffix=".state")
+    os.close(fd)
+    return path
+
+
+def _path_of(state: PagedState) -> str:
+    if state.path.numel() == 0:
+        raise ValueError("this paged state has no file: was it built with storage='host'?")
+    return bytes(state.path.tolist()).decode()
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

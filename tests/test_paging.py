@@ -1,0 +1,312 @@
+"""page_state: bit-identical to the unpaged chain, bounded residency, purity, checks."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import fadam
+from fadam.paging import _wrapper
+
+
+def _params() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(64, 32, generator=gen),
+        "blocks": [
+            {"w": torch.randn(32, 32, generator=gen), "b": torch.randn(32, generator=gen)},
+            {"w": torch.randn(32, 32, generator=gen), "b": torch.randn(32, generator=gen)},
+        ],
+        "z": torch.randn(5, dtype=torch.complex64, generator=gen),
+        "scale": torch.randn(3, generator=gen).to(torch.bfloat16),
+    }
+
+
+def _grads(params: dict, step: int, drop: str | None = None) -> dict:
+    gen = torch.Generator().manual_seed(100 + step)
+    grads = fadam.tree_map(lambda p: torch.randn(p.shape, dtype=p.dtype, generator=gen), params)
+    if drop is not None:
+        grads[drop] = None
+    return grads
+
+
+INNERS = {
+    "adam": (lambda: fadam.adam(lr=1e-2), True),
+    "adamw-amsgrad": (lambda: fadam.adamw(lr=1e-2, amsgrad=True, weight_decay=0.1), True),
+    "sgd-nesterov": (lambda: fadam.sgd(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3), True),
+    "adam-nesterov-schedule": (
+        lambda: fadam.chain(fadam.scale_by_adam(nesterov=True), fadam.scale_by_learning_rate(lambda t: 1e-2 / (t + 1))),
+        True,
+    ),
+    "masked-callable-bf16-moments": (
+        lambda: fadam.masked(
+            fadam.chain(fadam.scale_by_adam(mu_dtype=torch.bfloat16), fadam.scale(-1e-2)),
+            lambda params: fadam.tree_map(lambda p: p.ndim > 1, params),
+        ),
+        True,
+    ),
+    "codes-and-absmax": (lambda: _toy_quantized(), True),
+    # couples leaves, or needs the params' tree structure: one chunk with the params as they are
+    "clip-global-adam": (lambda: fadam.chain(fadam.clip_by_global_norm(0.5), fadam.adam(lr=1e-2)), False),
+    "masked-prefix-adam": (
+        lambda: fadam.masked(fadam.adam(lr=1e-2), {"embed": False, "blocks": True, "z": True, "scale": False}),
+        False,
+    ),
+}
+
+
+class _ToyQuantizedState(NamedTuple):
+    count: torch.Tensor  # int32
+    codes: list  # uint8, one per element
+    absmax: list  # fp32, one per block of 64
+    seen: list  # bool
+
+
+def _toy_quantized() -> fadam.GradientTransformation:
+    """State shaped like 8-bit optimizers' (uint8 codes, fp32 block absmax, int32 count, a bool mask): whatever the
+    dtypes, paging must carry them bit for bit."""
+
+    def real(x):
+        return torch.view_as_real(x).reshape(-1) if x.is_complex() else x.reshape(-1)
+
+    def init(params):
+        flat = [real(p) for p in fadam._tree.tree_leaves(params)]
+        return _ToyQuantizedState(
+            torch.zeros([], dtype=torch.int32),
+            [torch.zeros(p.numel(), dtype=torch.uint8) for p in flat],
+            [torch.zeros(-(-p.numel() // 64)) for p in flat],
+            [torch.zeros(p.numel(), dtype=torch.bool) for p in flat],
+        )
+
+    def update(updates, state, params=None, **_):
+        leaves, spec = fadam._tree.tree_flatten(updates)
+        out, codes, absmax, seen = [], [], [], []
+        for g, c, a, s in zip(leaves, state.codes, state.absmax, state.seen):
+            if g is None:
+                out.append(None), codes.append(c), absmax.append(a), seen.append(s)
+                continue
+            gr = real(g).float()
+            padded = torch.nn.functional.pad(gr.abs(), (0, a.numel() * 64 - gr.numel()))
+            a_new = torch.maximum(a * 0.9, padded.reshape(-1, 64).amax(1))
+            scale = a_new.repeat_interleave(64)[: gr.numel()]
+            c_new = (c.float() * 0.5 + 63.75 * (gr / scale.clamp_min(1e-12) + 1)).round().to(torch.uint8)
+            s_new = s | (gr > 0)
+            u = (c_new.float() - 127.5) / 127.5 * scale * s_new.float() - state.count.float() * 1e-3
+            u = torch.view_as_complex(u.reshape(*g.shape, 2)) if g.is_complex() else u.reshape(g.shape)
+            out.append(u.to(g.dtype)), codes.append(c_new), absmax.append(a_new), seen.append(s_new)
+        return spec.unflatten(out), _ToyQuantizedState(state.count + 1, codes, absmax, seen)
+
+    return fadam.GradientTransformation(init, update)
+
+
+def _paged(make, per_leaf: bool, storage: str, tmp_path, chunk_bytes: int = 6_000):
+    path = tmp_path / "state.bin" if storage == "disk" else None
+    return fadam.page_state(make(), storage, path, chunk_bytes, per_leaf=per_leaf)
+
+
+@pytest.mark.parametrize("storage", ["host", "disk"])
+@pytest.mark.parametrize("name", list(INNERS))
+def test_update_is_bit_identical_to_unpaged(name, storage, tmp_path):
+    make, per_leaf = INNERS[name]
+    reference, paged = make(), _paged(make, per_leaf, storage, tmp_path)
+    params = _params()
+    ref_params, paged_params = params, params
+    ref_state, paged_state = reference.init(params), paged.init(params)
+    if per_leaf:
+        assert len(paged_state.chunks) > 1
+    for step in range(4):
+        grads = _grads(params, step, drop="embed" if step == 2 else None)
+        ref_updates, ref_state = reference.update(grads, ref_state, ref_params)
+        updates, paged_state = paged.update(grads, paged_state, paged_params)
+        for u, v in zip(fadam._tree.tree_leaves(updates), fadam._tree.tree_leaves(ref_updates)):
+            assert (u is None and v is None) or torch.equal(u, v)
+        ref_params = fadam.apply_updates(ref_params, ref_updates)
+        paged_params = fadam.apply_updates(paged_params, updates)
+
+
+@pytest.mark.parametrize("storage", ["host", "disk"])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("name", ["adam", "adamw-amsgrad", "sgd-nesterov"])
+def test_step_is_bit_identical_and_honours_donation(name, donate, storage, tmp_path):
+    make, _ = INNERS[name]
+    reference, paged = make(), _paged(make, True, storage, tmp_path)
+    params = _params()
+    ref_params = fadam.tree_map(torch.clone, params)
+    paged_params = fadam.tree_map(torch.clone, params)
+    ref_state, paged_state = reference.init(params), paged.init(params)
+    for step in range(3):
+        grads = _grads(params, step, drop="z" if step == 1 else None)
+        before = fadam.tree_map(torch.clone, paged_params)
+        ref_params, ref_state = fadam.step(reference, ref_params, grads, ref_state, donate=donate)
+        new_params, paged_state = fadam.step(paged, paged_params, grads, paged_state, donate=donate)
+        if not donate:  # the params passed in are untouched
+            for a, b in zip(fadam._tree.tree_leaves(paged_params), fadam._tree.tree_leaves(before)):
+                assert torch.equal(a, b)
+        paged_params = new_params
+        for a, b in zip(fadam._tree.tree_leaves(paged_params), fadam._tree.tree_leaves(ref_params)):
+            assert torch.equal(a, b)
+
+
+def test_paged_aliases_match_torch_optim():
+    params = _params()
+    del params["z"]  # torch.optim and fadam agree on complex; keep this one quick
+    flat = [p.float().clone().requires_grad_() for p in fadam._tree.tree_leaves(params)]
+    for alias, cls, kwargs in [
+        (fadam.paged_adam, torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1}),
+        (fadam.paged_adamw, torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
+    ]:
+        tx = alias(**kwargs, chunk_bytes=10_000)
+        torch_params = [p.detach().clone().requires_grad_() for p in flat]
+        opt = cls(torch_params, **kwargs, foreach=False)
+        ours = [p.detach().clone() for p in flat]
+        state = tx.init(ours)
+        for step in range(3):
+            grads = [g.float() for g in fadam._tree.tree_leaves(_grads(params, step))]
+            for p, g in zip(torch_params, grads):
+                p.grad = g.clone()
+            opt.step()
+            ours, state = fadam.step(tx, ours, grads, state)
+        for a, b in zip(ours, torch_params):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+
+
+def test_at_most_two_chunks_are_materialized_at_once(monkeypatch, tmp_path):
+    alive: dict[int, int] = {}
+    peak = [0]
+    original = _wrapper._materialize
+
+    def tracking(buffer, chunk, device, streams):
+        tree = original(buffer, chunk, device, streams)
+        key = id(chunk)
+        tensors = [x for x in fadam._tree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+        alive[key] = alive.get(key, 0) + len(tensors)
+        for t in tensors:
+            weakref.finalize(t, lambda key=key: alive.__setitem__(key, alive[key] - 1))
+        peak[0] = max(peak[0], sum(1 for n in alive.values() if n > 0))
+        return tree
+
+    monkeypatch.setattr(_wrapper, "_materialize", tracking)
+    params = [torch.randn(1000) for _ in range(12)]
+    for storage in ("host", "disk"):
+        tx = fadam.page_state(
+            fadam.adam(lr=1e-2), storage, tmp_path / "s" if storage == "disk" else None, 17_000, per_leaf=True
+        )
+        state = tx.init(params)
+        assert len(state.chunks) == 6  # two params (16 KB of Adam state) per chunk
+        for _ in range(2):
+            _, state = tx.update([torch.ones(1000)] * 12, state, params)
+            params, state = fadam.step(tx, params, [torch.ones(1000)] * 12, state, donate=True)
+        assert 1 <= peak[0] <= 2, peak[0]
+        peak[0] = 0
+
+
+def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
+    params = [torch.zeros(100), torch.zeros(100), torch.zeros(5000), torch.zeros(100)]
+    state = fadam.page_state(fadam.adam(), chunk_bytes=2000, per_leaf=True).init(params)
+    assert [c.tolist() for c in state.chunks] == [[0, 1], [2], [3]]
+    whole = fadam.page_state(fadam.adam(), chunk_bytes=2000).init(params)
+    assert [c.tolist() for c in whole.chunks] == [[0, 1, 2, 3]]
+
+
+def _reads(state) -> list[torch.Tensor]:
+    """The buffers a host-paged state reads (the slot holding its commit)."""
+    slot = int((state.slot_serials == state.serial).nonzero())
+    return [pair[slot] for pair in state.buffers]
+
+
+def test_update_is_pure_retried_from_the_previous_state_and_refuses_stale_ones():
+    tx = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
+    params = [torch.randn(300), torch.randn(300)]
+    s0 = tx.init(params)
+    _, s1 = tx.update([torch.ones(300), torch.ones(300)], s0, params)
+    read, snapshot = _reads(s1), [b.clone() for b in _reads(s1)]
+    u2, s2 = tx.update([torch.ones(300), -torch.ones(300)], s1, params)
+    assert all(torch.equal(b, c) for b, c in zip(read, snapshot))  # the input state is not written
+    u2b, s2b = tx.update([torch.ones(300), -torch.ones(300)], s1, params)  # a retried (skipped) step
+    assert all(torch.equal(a, b) for a, b in zip(u2, u2b))
+    for stale in (s0, s2):  # s0's buffers hold s2 then s2b; s2's were overwritten by the retry
+        with pytest.raises(ValueError, match="stale paged state"):
+            tx.update([torch.ones(300), torch.ones(300)], stale, params)
+    tx.update([torch.ones(300), torch.ones(300)], s2b, params)
+
+
+def test_host_state_round_trips_through_torch_save(tmp_path):
+    tx = fadam.paged_adamw(lr=0.1, chunk_bytes=4096)
+    params = [torch.randn(300), torch.randn(7)]
+    _, state = tx.update([torch.ones(300), torch.ones(7)], tx.init(params), params)
+    torch.save(state, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=False)
+    a, _ = tx.update([torch.ones(300), -torch.ones(7)], state, params)
+    b, _ = tx.update([torch.ones(300), -torch.ones(7)], loaded, params)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bad_inputs_are_named_before_anything_changes(tmp_path):
+    tx = fadam.page_state(fadam.adam(), "disk", tmp_path / "s", per_leaf=True)
+    params = {"w": torch.zeros(4), "b": torch.zeros(2)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="3 leaves but the paged state was built for 2"):
+        tx.update({"w": torch.zeros(4), "b": torch.zeros(2), "c": torch.zeros(1)}, state)
+    with pytest.raises(ValueError, match=r"\['w'\].*shape \(5,\)"):
+        tx.update({"w": torch.zeros(5), "b": torch.zeros(2)}, state, params)
+    with pytest.raises(ValueError, match="expected a PagedState"):
+        tx.update(params, fadam.adam().init(params))
+    _, state = tx.update(params, state, params)  # the state is still usable
+    with pytest.raises(ValueError, match="storage must be"):
+        fadam.page_state(fadam.adam(), "gpu")
+    with pytest.raises(ValueError, match="storage='disk' only"):
+        fadam.page_state(fadam.adam(), "host", path=tmp_path / "x")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        fadam.page_state(fadam.adam(), chunk_bytes=0)
+
+
+def test_an_inner_transform_that_changes_its_state_layout_is_refused():
+    def init(params):
+        return [torch.zeros(2)]
+
+    def update(updates, state, params=None, **_):
+        return updates, [torch.zeros(3)]
+
+    tx = fadam.page_state(fadam.GradientTransformation(init, update))
+    with pytest.raises(RuntimeError, match=r"float32\(3,\).*holds torch.float32\(2,\)"):
+        tx.update([torch.ones(1)], tx.init([torch.zeros(1)]))
+
+
+def test_disk_state_without_a_path_lives_in_its_own_temporary_file():
+    tx = fadam.page_state(fadam.adam(lr=0.1), "disk", per_leaf=True)
+    params = [torch.ones(3)]
+    first, second = tx.init(params), tx.init(params)  # independent states, as for any transform
+    path = bytes(first.path.tolist()).decode()
+    assert os.path.exists(path) and path != bytes(second.path.tolist()).decode()
+    params, first = fadam.step(tx, params, [torch.ones(3)], first)
+    torch.testing.assert_close(params[0], torch.full((3,), 0.9))
+    _, second = tx.update([torch.ones(3)], second)
+    del first
+    gc.collect()
+    assert not os.path.exists(path)  # removed with the last state that refers to it
+
+
+def test_a_donated_host_state_is_updated_in_its_own_buffers():
+    tx = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
+    params = [torch.randn(300), torch.randn(300)]
+    state = tx.init(params)
+    kept = fadam.paged_adam(lr=0.1, chunk_bytes=4096)
+    reference = kept.init(params)
+    grads = [torch.ones(300), -torch.ones(300)]
+    new_params, new_state = fadam.step(tx, [p.clone() for p in params], grads, state, donate=True)
+    ref_params, ref_state = fadam.step(kept, [p.clone() for p in params], grads, reference)
+    assert all(a is b for a, b in zip(_reads(new_state), [pair[0] for pair in state.buffers]))  # written in place
+    assert all(a is b for a, b in zip(_reads(ref_state), [pair[1] for pair in reference.buffers]))  # or the spare
+    with pytest.raises(ValueError, match="stale paged state"):  # a donated state is given up
+        tx.update(grads, state, params)
+    assert all(torch.equal(a, b) for a, b in zip(new_params, ref_params))
+
+
+def test_one_chunk_needs_params_on_one_device():
+    with pytest.raises(ValueError, match="needs params on one device"):
+        fadam.page_state(fadam.adam()).init([torch.zeros(2), torch.zeros(2, device="meta")])

@@ -1,0 +1,220 @@
+"""The disk state file: checkpoint and resume, crash consistency under SIGKILL, and clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fadam
+from fadam.paging import _storage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _params() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=gen) for n in (300, 40, 1000, 7)]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=gen) for p in _params()]
+
+
+def _train(tx, params, state, steps: range):
+    for step in steps:
+        params, state = fadam.step(tx, params, _grads(step), state)
+    return params, state
+
+
+def test_the_file_is_a_checkpoint_that_resumes_exactly(tmp_path):
+    path = tmp_path / "adam.state"
+
+    def make(resume: bool = False) -> fadam.GradientTransformation:
+        return fadam.paged_adamw(lr=1e-2, storage="disk", path=path, chunk_bytes=8192, resume=resume)
+
+    reference = fadam.adamw(lr=1e-2)
+    ref_params, _ = _train(reference, _params(), reference.init(_params()), range(5))
+
+    tx = make()
+    params, _ = _train(tx, _params(), tx.init(_params()), range(3))
+    del tx  # a new process would start from here: the params checkpoint plus the state file
+    resumed = make(resume=True)
+    state = resumed.init(_params())
+    assert int(state.serial) == 4  # the creation (1) and three updates
+    params, _ = _train(resumed, params, state, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_a_file_of_another_model_or_optimizer_is_refused(tmp_path):
+    path = tmp_path / "s"
+    fadam.paged_adam(storage="disk", path=path).init(_params())
+    other_shapes = [*_params()[:3], torch.zeros(8)]
+    with pytest.raises(fadam.PagedStateFileError, match=r"different model.*float32\(8,\)"):
+        fadam.paged_adam(storage="disk", path=path, resume=True).init(other_shapes)
+    with pytest.raises(fadam.PagedStateFileError, match=r"different model or optimizer.*structure"):
+        fadam.page_state(fadam.sgd(momentum=0.9), "disk", path, per_leaf=True, resume=True).init(_params())
+    with pytest.raises(fadam.PagedStateFileError, match=r"different model.*chunks"):
+        fadam.paged_adam(storage="disk", path=path, chunk_bytes=4096, resume=True).init(_params())
+
+
+def test_stale_and_foreign_states_are_refused(tmp_path):
+    tx = fadam.paged_adam(lr=0.1, storage="disk", path=tmp_path / "s")
+    params = _params()
+    s1 = tx.init(params)
+    _, s2 = tx.update(_grads(0), s1, params)
+    u3, s3 = tx.update(_grads(1), s2, params)
+    u3b, _ = tx.update(_grads(1), s2, params)  # retrying from the state before the latest is allowed
+    assert all(torch.equal(a, b) for a, b in zip(u3, u3b))
+    with pytest.raises(fadam.PagedStateFileError, match="stale paged state"):
+        tx.update(_grads(2), s3, params)  # its slot was just overwritten by the retry
+    with pytest.raises(fadam.PagedStateFileError, match="another file"):
+        fadam.paged_adam(storage="disk", path=tmp_path / "s").update(_grads(2), s1._replace(store_id=s1.store_id + 1))
+
+
+def test_not_a_state_file_truncated_and_unfinished_files_are_detected(tmp_path):
+    path = tmp_path / "s"
+    path.write_bytes(b"not a state file" * 100)
+    with pytest.raises(fadam.PagedStateFileError, match="not a fadam paged-state file"):
+        fadam.paged_adam(storage="disk", path=path, resume=True).init(_params())
+    fadam.paged_adam(storage="disk", path=path).init(_params())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 10])  # the description at the end is cut
+    with pytest.raises(fadam.PagedStateFileError, match="truncated or corrupt"):
+        fadam.paged_adam(storage="disk", path=path, resume=True).init(_params())
+    path.write_bytes(data)
+    with open(path, "r+b") as f:  # a torn commit record (killed while writing it): the only commit is invalid
+        f.seek(_storage._RECORD_OFFSETS[0] + 12)
+        f.write(b"\xff")
+    with pytest.raises(fadam.PagedStateFileError, match="incomplete: no committed state"):
+        fadam.paged_adam(storage="disk", path=path, resume=True).init(_params())
+    with pytest.raises(FileNotFoundError, match="cannot open the paged state file"):
+        fadam.paged_adam(storage="disk", path=tmp_path / "missing", resume=True).init(_params())
+
+
+def test_unwritable_paths_raise_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"cannot create the paged state file .*no_such_dir"):
+        fadam.paged_adam(storage="disk", path=tmp_path / "no_such_dir" / "s").init(_params())
+    with pytest.raises(OSError, match=r"cannot create the paged state file /proc/fadam\.state"):
+        fadam.paged_adam(storage="disk", path="/proc/fadam.state").init(_params())
+    (tmp_path / "ro").mkdir()
+    if os.geteuid() != 0:  # root writes anywhere; the two cases above cover it
+        os.chmod(tmp_path / "ro", 0o500)
+        with pytest.raises(PermissionError, match="cannot create the paged state file"):
+            fadam.paged_adam(storage="disk", path=tmp_path / "ro" / "s").init(_params())
+
+
+def _run_child(code: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def test_a_full_disk_is_reported_at_init_not_as_a_crash_later(tmp_path):
+    # RLIMIT_FSIZE stands in for a full disk: space is reserved at creation, so updates never grow the file
+    child = _run_child(
+        f"""
+        import resource, signal, torch, fadam
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        tx = fadam.paged_adam(storage="disk", path={str(tmp_path / "big.state")!r})
+        try:
+            tx.init([torch.zeros(1 << 18)])  # 2 MiB of Adam state, 4 MiB with both copies
+        except OSError as err:
+            print(type(err).__name__, err)
+        """
+    )
+    out, err = child.communicate(timeout=60)
+    assert "not enough space to reserve space for the paged state file" in out, (out, err)
+    assert "disk full or file size limit" in out
+    assert not (tmp_path / "big.state").exists()
+    assert not list(tmp_path.glob("big.state.tmp-*"))  # the partial file is removed
+
+
+def test_a_process_killed_mid_update_leaves_the_previous_or_the_next_step(tmp_path):
+    path = tmp_path / "killed.state"
+    child = _run_child(
+        f"""
+        import sys, torch, fadam
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_paging_storage import _grads, _params, _blocking_adam
+        tx = fadam.page_state(_blocking_adam(block_at=7), "disk", {str(path)!r}, 4096, per_leaf=True)
+        params, state = _params(), tx.init(_params())
+        for step in range(1000):
+            _, state = tx.update(_grads(step), state, params)
+        """
+    )
+    # 3 chunks per update: call 7 is the second chunk of the third update, whose first chunk is already written
+    watchdog = threading.Timer(60, child.kill)  # never hang the suite
+    watchdog.start()
+    line = child.stdout.readline()
+    watchdog.cancel()
+    assert line == "blocked\n", (line, child.stderr.read())
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+
+    state_file = _storage.StateFile.open(str(path))
+    commits = state_file.commits()
+    state_file.close()
+    assert len(commits) == 1  # killed mid-update: the slot being written had been invalidated first
+    resumed = fadam.page_state(_blocking_adam(), "disk", path, 4096, per_leaf=True, resume=True)
+    state = resumed.init(_params())
+    done = int(state.serial) - 1
+    assert done == 2  # the step being written when the process died is not visible
+    reference = _blocking_adam()
+    ref_state = reference.init(_params())
+    for step in range(done):
+        _, ref_state = reference.update(_grads(step), ref_state, _params())
+    # the state loaded is exactly the one after `done` updates: the next update agrees bit for bit
+    updates, _ = resumed.update(_grads(done), state, _params())
+    ref_updates, _ = reference.update(_grads(done), ref_state, _params())
+    assert all(torch.equal(a, b) for a, b in zip(updates, ref_updates))
+
+
+def _blocking_adam(block_at: int = -1) -> fadam.GradientTransformation:
+    """Adam that, on its ``block_at``-th call (one call per chunk), says so and blocks, so that a kill lands inside
+    an update."""
+    calls = [0]
+
+    def sleep(updates, params):
+        if calls[0] == block_at:
+            print("blocked", flush=True)
+            time.sleep(600)
+        calls[0] += 1
+        return updates
+
+    return fadam.chain(fadam.stateless(sleep), fadam.adam(lr=1e-2))
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_torn_latest_commit_falls_back_to_the_step_before(tmp_path, durable):
+    path = tmp_path / "s"
+    tx = fadam.page_state(fadam.adam(lr=1e-2), "disk", path, 4096, per_leaf=True, durable=durable)
+    params = _params()
+    _, state = tx.update(_grads(0), tx.init(params), params)
+    _, state = tx.update(_grads(1), state, params)
+    with open(path, "r+b") as f:  # serial 1 went to slot 0, serial 2 to slot 1, serial 3 (the latest) to slot 0
+        f.seek(_storage._RECORD_OFFSETS[0] + 20)
+        f.write(b"\x00\x01")
+    state = fadam.page_state(fadam.adam(lr=1e-2), "disk", path, 4096, per_leaf=True, resume=True).init(params)
+    assert int(state.serial) == 2
+    reference = fadam.adam(lr=1e-2)
+    _, ref_state = reference.update(_grads(0), reference.init(params), params)
+    ours, _ = tx.update(_grads(1), state, params)
+    ref, _ = reference.update(_grads(1), ref_state, params)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
