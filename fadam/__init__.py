@@ -29,6 +29,7 @@ from fadam._tree import (
 from fadam.aliases import adam, adamw, sgd
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.distributed import Sharded, gather, pmap
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
 from fadam.transforms._clipping import clip, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
@@ -52,6 +53,7 @@ __all__ = [
     "ScaleByAmsgradState",
     "ScaleByScheduleState",
     "Schedule",
+    "Sharded",
     "TraceState",
     "adam",
     "adamw",
@@ -61,11 +63,13 @@ __all__ = [
     "chain",
     "clip",
     "clip_by_global_norm",
+    "gather",
     "global_norm",
     "identity",
     "masked",
     "named_chain",
     "partition",
+    "pmap",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -13,6 +13,8 @@ from typing import Any
 import optree
 import torch
 
+from fadam._dispatch import is_dtensor
+
 PyTree = Any
 
 __all__ = [
@@ -88,11 +90,25 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
 
 
 def tree_global_norm(tree: PyTree) -> torch.Tensor:
-    """L2 norm over all elements of all leaves (complex leaves by modulus), as a 0-d tensor."""
+    """L2 norm over all elements of all leaves (complex leaves by modulus), as a 0-d tensor.
+
+    Leaves may live on several devices (model parallel): each leaf's norm is taken on its own device and the squares
+    are summed on the first leaf's device. A DTensor leaf (FSDP2) gives a partial norm per rank, reduced here across
+    its mesh with ``full_tensor()``, a collective: every rank must call this with the same tree. The result is then a
+    plain tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
+    """
     leaves = [x for x in tree_leaves(tree) if x is not None]
     if not leaves:
         return torch.zeros([])
-    squares = [torch.linalg.vector_norm(x) ** 2 for x in leaves]
+    squares = []
+    for x in leaves:
+        norm = torch.linalg.vector_norm(x)
+        if is_dtensor(norm):
+            norm = norm.full_tensor()
+        squares.append(norm**2)
+    device = squares[0].device
+    # a copy to the CPU must be blocking (its value is read right away); copies between accelerators need no host sync
+    squares = [s if s.device == device else s.to(device, non_blocking=device.type != "cpu") for s in squares]
     return torch.sqrt(sum(squares[1:], squares[0]))
 
 
