@@ -9,7 +9,7 @@ rule the model learns in a few dozen steps); each rank draws its own batches, an
 Run from the repository root (or with fadam installed):
 
     # 2 CPU processes (gloo)
-    torchrun --standalone --nproc-per-node 2 examples/fsdp_transformer.py
+    torchrun --standalone --nproc-per-node 2 examples/fsdp_transformer.py --device cpu
 
     # N GPUs of one machine (nccl), a bigger model
     torchrun --standalone --nproc-per-node N examples/fsdp_transformer.py --dim 512 --layers 8 --steps 500
@@ -88,12 +88,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when available")
     parser.add_argument("--checkpoint", type=Path, default=None, help="resume from / save to this DCP directory")
     args = parser.parse_args()
 
     # The LM head's output is a view (nn.Linear on a 3-d input); this loop never writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    use_cuda = torch.cuda.is_available()
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if use_cuda:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "8", "--lr", "1e-2"]
-TINY += ["--log-every", "5"]
+TINY += ["--log-every", "5", "--device", "cpu"]
 
 
 def _free_port() -> int:
