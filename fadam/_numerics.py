@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._C import _functorch
 
 _INT32_MAX = torch.iinfo(torch.int32).max
 
@@ -27,3 +28,20 @@ def bias_correction(decay: float | torch.Tensor, count: torch.Tensor) -> torch.T
     if isinstance(decay, torch.Tensor):
         return 1 - decay.to(torch.float64) ** exponent
     return 1 - torch.pow(decay, exponent)
+
+
+def for_leaf(value: float | torch.Tensor, leaf: torch.Tensor) -> float | torch.Tensor:
+    """``value``, derived from a step count (a bias correction, a scheduled rate), in a form that mixes with ``leaf``.
+
+    A 0-d CPU tensor combines with tensors on any device, which is why step counts live on the CPU. Under
+    ``torch.func.vmap`` a per-member count is a CPU tensor with a hidden batch dimension, which does not combine with
+    an accelerator's tensors, so it is copied to the leaf's device (a few bytes; no host sync for a host-to-device
+    copy). Anything else is returned as it is.
+    """
+    if (
+        isinstance(value, torch.Tensor)
+        and value.device != leaf.device
+        and _functorch.is_functorch_wrapped_tensor(value)
+    ):
+        return value.to(leaf.device, non_blocking=leaf.device.type != "cpu")
+    return value

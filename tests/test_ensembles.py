@@ -109,3 +109,32 @@ def test_vmap_of_step_equals_update(make: Callable[[], fadam.GradientTransformat
     assert torch.equal(stepped["w"], fadam.apply_updates(params, updates)["w"])
     for a, b in zip(_leaves(stepped_state), _leaves(updated_state)):
         assert torch.equal(a, b)
+
+
+SCHEDULED = {
+    "scheduled-sgd-dampening+adamw": lambda: fadam.chain(
+        fadam.sgd(lambda count: 0.1 / (1 + count), momentum=0.5, dampening=0.2),
+        fadam.adamw(lambda count: 1e-2 * (count + 1), weight_decay=0.1),
+    )
+}
+ACCELERATORS = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", ACCELERATORS)
+@pytest.mark.parametrize("make", [*CASES, *(pytest.param(m, id=n) for n, m in SCHEDULED.items())])
+def test_vmap_on_an_accelerator(make: Callable[[], fadam.GradientTransformation], device: str) -> None:
+    """Per-member step counts stay on the CPU while the params live elsewhere: a batched CPU count does not mix with
+    an accelerator's tensors the way a 0-d one does, so transforms move what they derive from it. ``meta`` behaves
+    like CUDA here (checks devices and shapes); on CUDA the values are compared with the CPU."""
+    tx = make()
+    params = {"0.weight": torch.randn(N_MEMBERS, 4, 3), "2.bias": torch.randn(N_MEMBERS, 2)}
+    grads = fadam.tree_map(torch.ones_like, params)
+    on_device = fadam.tree_map(lambda x: x.to(device), (params, grads))
+    state, cpu_state = vmap(tx.init)(on_device[0]), vmap(tx.init)(params)
+    for _ in range(2):
+        updates, state = vmap(tx.update)(on_device[1], state, on_device[0])
+        cpu_updates, cpu_state = vmap(tx.update)(grads, cpu_state, params)
+    for name, u in updates.items():
+        assert u.device.type == device and u.shape == params[name].shape
+        if device != "meta":
+            torch.testing.assert_close(u.cpu(), cpu_updates[name], rtol=1e-6, atol=1e-7)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, safe_increment, zero_count
+from fadam._numerics import bias_correction, for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative, check_unit_interval
 
@@ -105,6 +105,7 @@ def scale_by_adam(
                 new_nu_maxes.append(nu_max)
                 continue
             out_dtype = g.dtype
+            bc1_g, bc2_sqrt_g, bc1_next_g = (for_leaf(x, g) for x in (bc1, bc2_sqrt, bc1_next))
             complex_leaf = g.is_complex()
             gr = torch.view_as_real(g) if complex_leaf else g
             mur = torch.view_as_real(mu) if complex_leaf else mu
@@ -117,13 +118,13 @@ def scale_by_adam(
                 nu_max_new = torch.maximum(torch.view_as_real(nu_max) if complex_leaf else nu_max, nu_new)
                 denom_source = nu_max_new
             if eps_root == 0.0:
-                denom = denom_source.sqrt() / bc2_sqrt + eps  # torch.optim's order of operations
+                denom = denom_source.sqrt() / bc2_sqrt_g + eps  # torch.optim's order of operations
             else:
-                denom = torch.sqrt(denom_source / (bc2_sqrt * bc2_sqrt) + eps_root) + eps
+                denom = torch.sqrt(denom_source / (bc2_sqrt_g * bc2_sqrt_g) + eps_root) + eps
             if nesterov:
-                numer = mu_new * (b1 / bc1_next) + gr.to(mu_new.dtype) * ((1 - b1) / bc1)
+                numer = mu_new * (b1 / bc1_next_g) + gr.to(mu_new.dtype) * ((1 - b1) / bc1_g)
             else:
-                numer = mu_new / bc1
+                numer = mu_new / bc1_g
             u = (numer / denom).to(gr.dtype)
             if complex_leaf:
                 u, mu_new, nu_new = (

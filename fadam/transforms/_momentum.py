@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative
 
@@ -64,7 +64,7 @@ def trace(
             if dampening == 0.0:
                 t_new = torch.add(g_acc, t, alpha=decay) if not isinstance(decay, torch.Tensor) else g_acc + decay * t
             else:
-                t_new = torch.where(first_step, g_acc, t * decay + (1 - dampening) * g_acc)
+                t_new = torch.where(for_leaf(first_step, g_acc), g_acc, t * decay + (1 - dampening) * g_acc)
             u = g_acc + decay * t_new if nesterov else t_new
             new_updates.append(u.to(g.dtype))
             new_traces.append(t_new)

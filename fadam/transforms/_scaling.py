@@ -7,13 +7,13 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, tree_map
 from fadam.transforms._validation import check_non_negative
 
 
 def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
-    return tree_map(lambda g: None if g is None else g * factor, updates)
+    return tree_map(lambda g: None if g is None else g * for_leaf(factor, g), updates)
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
