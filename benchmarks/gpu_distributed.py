@@ -113,6 +113,23 @@ def check_pmap() -> None:
     record("pmap adamw update, 8 members x 134k params", True, f"vmap on cuda:0 {v_ms * 1e3:.2f} ms", p_ms)
 
 
+def check_vmap() -> None:
+    """Plain ``vmap`` of init/update on CUDA ensembles (step counts stay on the CPU) against the CPU."""
+    cuda = torch.device("cuda", 0)
+    for name, make in OPTIMIZERS.items():
+        tx = make()
+        params, grads = ensemble(4, cuda)
+        cpu = {k: v.cpu() for k, v in params.items()}
+        state, cpu_state = vmap(tx.init)(params), vmap(tx.init)(cpu)
+        for g in grads:
+            updates, state = vmap(tx.update)(g, state, params)
+            params = vmap(fadam.apply_updates)(params, updates)
+            cpu_updates, cpu_state = vmap(tx.update)({k: v.cpu() for k, v in g.items()}, cpu_state, cpu)
+            cpu = vmap(fadam.apply_updates)(cpu, cpu_updates)
+        diff = max_diff(params, cpu)
+        record(f"vmap {name} on cuda:0 vs cpu", diff <= 1e-6, f"max|diff| {diff:.1e}")
+
+
 def split_model(devices: list[torch.device]) -> tuple[dict, list[dict]]:
     generator = torch.Generator().manual_seed(3)
     shapes = {"embed": (1000, 64), "block.w": (256, 64), "block.b": (256,), "head": (10, 256), "scale": (1,)}
@@ -180,7 +197,7 @@ def main() -> None:
         print("no CUDA device: nothing to check here (tests/test_distributed.py covers CPU device lists)")
         return
     started = time.perf_counter()
-    for check in (check_pmap, check_model_parallel, check_fsdp_example):
+    for check in (check_vmap, check_pmap, check_model_parallel, check_fsdp_example):
         try:
             check()
         except Exception as error:  # a failing check is reported in the table, the others still run
