@@ -28,6 +28,20 @@ sys.path.insert(0, str(ROOT))
 import fadam  # noqa: E402
 
 ROWS: list[tuple[str, str, str, str]] = []  # (check, result, detail, time)
+# --dry-run-on-cpu runs every check with the CPU standing in for cuda:0 (no sync check, no example), to test this script
+DRY_RUN = "--dry-run-on-cpu" in sys.argv
+ACCEL = torch.device("cpu") if DRY_RUN else torch.device("cuda", 0)
+
+
+def synchronize() -> None:
+    if not DRY_RUN:
+        torch.cuda.synchronize()
+
+
+def set_sync_debug_mode(mode: str) -> None:
+    if not DRY_RUN:
+        torch.cuda.set_sync_debug_mode(mode)
+
 
 OPTIMIZERS: dict[str, Callable[[], fadam.GradientTransformation]] = {
     "adam": lambda: fadam.adam(1e-2, amsgrad=True, weight_decay=0.1),
@@ -57,16 +71,16 @@ def ensemble(n: int, device: torch.device) -> tuple[dict, list[dict]]:
 def median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def check_pmap() -> None:
-    cuda = torch.device("cuda", 0)
+    cuda = ACCEL
     devices = [cuda, cuda]
     for name, make in OPTIMIZERS.items():
         tx = make()
@@ -81,12 +95,12 @@ def check_pmap() -> None:
                 updates, state = update(g, state, p)
                 p = apply(p, updates)
             else:  # steady state: no host synchronization allowed
-                torch.cuda.set_sync_debug_mode("error")
+                set_sync_debug_mode("error")
                 try:
                     updates, state = update(g, state, p)
                     p = apply(p, updates)
                 finally:
-                    torch.cuda.set_sync_debug_mode("default")
+                    set_sync_debug_mode("default")
             ref_updates, ref_state = vmap(tx.update)(g, ref_state, ref)
             ref = vmap(fadam.apply_updates)(ref, ref_updates)
             cpu_updates, cpu_state = vmap(tx.update)({k: v.cpu() for k, v in g.items()}, cpu_state, cpu)
@@ -115,7 +129,7 @@ def check_pmap() -> None:
 
 def check_vmap() -> None:
     """Plain ``vmap`` of init/update on CUDA ensembles (step counts stay on the CPU) against the CPU."""
-    cuda = torch.device("cuda", 0)
+    cuda = ACCEL
     for name, make in OPTIMIZERS.items():
         tx = make()
         params, grads = ensemble(4, cuda)
@@ -139,7 +153,7 @@ def split_model(devices: list[torch.device]) -> tuple[dict, list[dict]]:
 
 
 def check_model_parallel() -> None:
-    devices = [torch.device("cuda", 0), torch.device("cpu")]
+    devices = [ACCEL, torch.device("cpu")]
     for name, make in OPTIMIZERS.items():
         for path in ("update", "step"):
             tx = make()
@@ -172,6 +186,8 @@ def check_model_parallel() -> None:
 
 
 def check_fsdp_example() -> None:
+    if DRY_RUN:
+        return
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     start = time.perf_counter()
@@ -193,7 +209,7 @@ def check_fsdp_example() -> None:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not DRY_RUN:
         print("no CUDA device: nothing to check here (tests/test_distributed.py covers CPU device lists)")
         return
     started = time.perf_counter()
@@ -204,7 +220,8 @@ def main() -> None:
             record(check.__name__, False, f"{type(error).__name__}: {error}"[:300])
     width = max(len(row[0]) for row in ROWS)
     lines = [
-        f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, {time.perf_counter() - started:.1f} s in all",
+        f"torch {torch.__version__}, {'CPU dry run' if DRY_RUN else torch.cuda.get_device_name(0)}, "
+        f"{time.perf_counter() - started:.1f} s in all",
         f"{'check':<{width}}  result  time       detail",
     ]
     lines += [f"{check:<{width}}  {result:<6}  {t:<9}  {detail}" for check, result, detail, t in ROWS]
