@@ -5,7 +5,8 @@ distributed checkpoints.
 ``torch.func.stack_module_state``) as one batch, each member with its own state; global reductions such as
 ``clip_by_global_norm`` are per member. ``pmap(fn, devices)`` splits that leading axis across devices and runs
 ``vmap(fn)`` on each shard on its own device. Its results are ``Sharded`` leaves that stay where they were computed;
-feeding them back into the same ``pmap`` moves nothing, and ``gather`` brings them to one device when you ask::
+feeding them back into the same ``pmap`` moves nothing (the step counts that ``init`` makes on the CPU move to the
+devices once, on the first update), and ``gather`` brings them to one device when you ask::
 
     init, update = fadam.pmap(tx.init), fadam.pmap(tx.update)   # every visible CUDA device
     state = init(params)                                         # params: {name: [N, ...]} on any device
@@ -13,6 +14,10 @@ feeding them back into the same ``pmap`` moves nothing, and ``gather`` brings th
         updates, state = update(grads, state, params)
         params = fadam.pmap(fadam.apply_updates)(params, updates)
     params = fadam.gather(params)                                # {name: [N, ...]} on the first device
+
+Under a plain ``vmap`` on an accelerator the per-member step counts stay on the CPU, and the few scalars derived
+from them (bias corrections, scheduled rates) are copied to the params' device at each update; ``pmap`` keeps the
+counts on the devices instead.
 
 **Model parallel.** A single model whose params live on several devices needs nothing special: state is created
 with ``zeros_like`` of each param (so it follows the param's device), elementwise math runs where each leaf lives,
@@ -55,7 +60,8 @@ N ranks loads into M ranks or into one process::
     state = fadam.state_from_dict(like, target["optim"])
 
 DCP loads into the template's tensors, so their shapes and placements (not the checkpoint's) decide the sharding of
-the loaded state; step counts are saved once, as replicated plain tensors.
+the loaded state; step counts are saved once, as replicated plain tensors. Loading in a single process without a
+process group works as is (DCP warns that it assumes one process).
 """
 
 from __future__ import annotations

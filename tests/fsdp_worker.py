@@ -116,7 +116,9 @@ def main(out: Path) -> None:
         params = dict(model.named_parameters())
         for leaf in fadam._tree.tree_leaves(tx.init(params)):
             if leaf is not None and leaf.dim() > 0:  # moments: DTensors sharded like their params
-                assert fadam._dispatch.is_dtensor(leaf) and leaf.device_mesh == params["0.weight"].device_mesh, name
+                assert fadam._dispatch.is_dtensor(leaf), name
+                reference = params["0.weight"]
+                assert (leaf.device_mesh, leaf.placements) == (reference.device_mesh, reference.placements), name
         params, state = train(model, tx)
         results["params"][name] = _full(params)
         # the optimizer alone on DTensors (sharded along dim 0, uneven where the size is odd), on fixed gradients
