@@ -148,6 +148,7 @@ def main() -> None:
     if rank == 0:
         print(f"uniform guess {math.log(args.vocab):.4f}; first logged loss {first_loss:.4f}; final loss {mean:.4f}")
         print(f"{world} ranks, {sum(p.numel() for p in params.values())} parameters, state sharded like the params")
+    dist.barrier()  # gloo can abort a rank whose peer tore the group down first
     dist.destroy_process_group()
 
 
