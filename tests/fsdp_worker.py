@@ -145,6 +145,9 @@ def main(out: Path) -> None:
             leaves = fadam._tree.tree_leaves
             for path, a, b in zip(fadam.tree_paths(full_state), leaves(_full(loaded)), leaves(full_state)):
                 assert (a is None and b is None) or torch.equal(a, b), f"{name} {path} differs after a 2-rank reload"
+    mesh = params["0.weight"].device_mesh
+    sharded_grads = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in dtensor_grads()[0].items()}
+    results["global_norm"] = fadam.tree_global_norm(sharded_grads)  # a collective, on every rank
     if rank == 0:
         torch.save(results, out / "results.pt")
     dist.barrier()

@@ -72,6 +72,12 @@ def test_dtensor_updates_equal_one_process_bit_for_bit(distributed_run: tuple[Pa
             assert torch.equal(distributed_run[1]["dtensor"][name][key], p), (name, key)
 
 
+def test_global_norm_of_dtensors_is_reduced_across_ranks(distributed_run: tuple[Path, dict]) -> None:
+    norm = distributed_run[1]["global_norm"]
+    assert type(norm) is torch.Tensor and norm.shape == ()  # a plain tensor, equal on every rank
+    torch.testing.assert_close(norm, fadam.tree_global_norm(dtensor_grads()[0]), rtol=1e-6, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note that it loads in one process
 @pytest.mark.parametrize("name", DCP_CASES)
 def test_checkpoint_from_two_ranks_loads_into_one_process(distributed_run: tuple[Path, dict], name: str) -> None:
