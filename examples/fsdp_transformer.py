@@ -6,7 +6,7 @@ norm of ``clip_by_global_norm`` is reduced across ranks. ``fadam.step(..., donat
 the sharded params in place. The data is synthetic (token t+1 = (5 * token t + 3) mod vocab from a random start, a
 rule the model learns in a few dozen steps); each rank draws its own batches, and FSDP averages the gradients.
 
-Run from the repository root (or with fadam installed):
+Run with fadam installed (``pip install -e .``), or from the repository root with ``PYTHONPATH=.`` in front:
 
     # 2 CPU processes (gloo)
     torchrun --standalone --nproc-per-node 2 examples/fsdp_transformer.py --device cpu
