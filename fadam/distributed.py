@@ -90,27 +90,31 @@ class Sharded:
         (torch.Size([3, 3]), tensor(3.))
     """
 
-    __slots__ = ("dim", "shards")
+    __slots__ = ("_shape", "_sizes", "dim", "shards")
 
     def __init__(self, shards: Sequence[torch.Tensor], dim: int = 0) -> None:
         if not shards:
             raise ValueError("Sharded needs at least one shard")
+        for index, shard in enumerate(shards):
+            if not isinstance(shard, torch.Tensor):
+                raise TypeError(f"shard {index} is a {type(shard).__name__}, expected a torch.Tensor")
         ndim = shards[0].dim()
         if not -ndim <= dim < ndim:
             raise ValueError(f"dim {dim} is out of range for shards of {ndim} dimensions")
         dim = dim % ndim
-        for index, shard in enumerate(shards):
-            if (
-                not isinstance(shard, torch.Tensor)
-                or _without(shard.shape, dim) != _without(shards[0].shape, dim)
-                or shard.dtype != shards[0].dtype
-            ):
+        first_rest = _without(shards[0].shape, dim)
+        for index, shard in enumerate(shards[1:], start=1):
+            if _without(shard.shape, dim) != first_rest or shard.dtype != shards[0].dtype:
                 raise ValueError(
                     f"shard {index} ({_describe(shard)}) does not match shard 0 ({_describe(shards[0])}) "
                     f"outside dim {dim}"
                 )
         self.shards: tuple[torch.Tensor, ...] = tuple(shards)
         self.dim = dim
+        self._sizes = tuple(shard.shape[dim] for shard in self.shards)
+        shape = list(self.shards[0].shape)
+        shape[dim] = sum(self._sizes)
+        self._shape = torch.Size(shape)
 
     @property
     def devices(self) -> tuple[torch.device, ...]:
@@ -119,14 +123,12 @@ class Sharded:
     @property
     def sizes(self) -> tuple[int, ...]:
         """The length of each shard along ``dim``."""
-        return tuple(shard.shape[self.dim] for shard in self.shards)
+        return self._sizes
 
     @property
     def shape(self) -> torch.Size:
         """The shape of the gathered tensor."""
-        shape = list(self.shards[0].shape)
-        shape[self.dim] = sum(self.sizes)
-        return torch.Size(shape)
+        return self._shape
 
     @property
     def dtype(self) -> torch.dtype:
@@ -210,7 +212,7 @@ def pmap(
         per_device: list[list[Any]] = [[] for _ in devices]
         for index, (arg, dim) in enumerate(zip(args, dims)):
             leaves, spec = tree_flatten(arg)
-            sharded = [_shard_leaf(leaf, dim, devices, sizes, index, spec.paths()[i]) for i, leaf in enumerate(leaves)]
+            sharded = [_shard_leaf(leaf, dim, devices, sizes, index, spec, i) for i, leaf in enumerate(leaves)]
             for k in range(len(devices)):
                 per_device[k].append(spec.unflatten([shards[k] for shards in sharded]))
         outputs = []
@@ -290,7 +292,13 @@ def _split_sizes(args: Sequence[Any], dims: Sequence[int | None], n_devices: int
 
 
 def _shard_leaf(
-    leaf: Any, dim: int | None, devices: Sequence[torch.device], sizes: Sequence[int], arg: int, path: Any
+    leaf: Any,
+    dim: int | None,
+    devices: Sequence[torch.device],
+    sizes: Sequence[int],
+    arg: int,
+    spec: Any,
+    index: int,
 ) -> list[Any]:
     """One piece of ``leaf`` per device: its shard along ``dim``, or a copy of all of it when ``dim`` is None."""
     if isinstance(leaf, Sharded):
@@ -300,11 +308,12 @@ def _shard_leaf(
     if not isinstance(leaf, torch.Tensor):
         if dim is not None and leaf is not None:
             raise TypeError(
-                f"pmap: argument {arg} leaf at {path_str(path)} is a {type(leaf).__name__}; only tensors can be "
+                f"pmap: argument {arg} leaf at {path_str(spec.paths()[index])} is a {type(leaf).__name__}; only "
+                "tensors can be "
                 "split (give this argument in_dims None)"
             )
         return [leaf] * len(devices)
-    if dim is None:
+    if dim is None or len(devices) == 1:
         return [_to(leaf, device) for device in devices]
     return [_to(shard, device) for shard, device in zip(leaf.split(list(sizes), dim), devices)]
 

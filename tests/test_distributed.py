@@ -17,7 +17,7 @@ from fadam.distributed import Sharded
 from tests.conformance.table import ALL_ROWS
 
 CPU = torch.device("cpu")
-PMAP_DEVICES = [[CPU] * 2, [CPU] * 3]
+PMAP_DEVICES = [[CPU], [CPU] * 2, [CPU] * 3]
 SPLIT_DEVICES = [[CPU, CPU]]  # model parallel: the leaves of one model dealt round-robin over these
 if torch.cuda.is_available():
     PMAP_DEVICES += [[torch.device("cuda", 0)] * 2, [torch.device("cuda", 0), CPU]]
