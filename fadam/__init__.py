@@ -44,6 +44,7 @@ from fadam.combinators._wrappers import (
     skip_not_finite,
     zero_nans,
 )
+from fadam.distributed import Sharded, gather, pmap
 from fadam.meta import MetaOptimizer, MetaSnapshot, stop_gradient
 from fadam.paging import (
     PagedState,
@@ -134,6 +135,7 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "Schedule",
+    "Sharded",
     "TraceState",
     "ZeroNansState",
     "adafactor",
@@ -159,6 +161,7 @@ __all__ = [
     "ema",
     "exponential_decay",
     "freeze",
+    "gather",
     "global_norm",
     "identity",
     "inject_hyperparams",
@@ -180,6 +183,7 @@ __all__ = [
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
+    "pmap",
     "polynomial_schedule",
     "quantize_state",
     "radam",

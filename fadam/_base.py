@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from fadam._dispatch import is_plain
+from fadam._dispatch import can_write_in_place
 from fadam._tree import PyTree, check_leaves, tree_map
 
 __all__ = [
@@ -172,7 +172,8 @@ def step(
 
     With ``donate=False`` (the default) nothing passed in is modified. With ``donate=True`` the caller gives up
     ``params`` and ``state``: their buffers may be overwritten with the results (like buffer donation in JAX), so a
-    step allocates no new param-sized tensors; read only the returned values afterwards. Either way, when ``tx`` is an
+    step allocates no new param-sized tensors; read only the returned values afterwards. DTensor params (FSDP2) are
+    updated in place shard by shard, so a sharded module's own parameters hold the result. Either way, when ``tx`` is an
     alias that matches a fused torch kernel (``adam``, ``adamw``, ``sgd``) and the tensors allow it, the step runs that
     kernel; otherwise it runs ``tx.update`` and adds the updates. Inputs are checked before anything is written.
 
@@ -193,8 +194,11 @@ def step(
     if not donate:
         return apply_updates(params, updates), new_state
     update_leaves, param_leaves, _ = check_leaves(updates, params)
-    # writing in place under no_grad would cut the graph: updates that carry one (a learned lr) are added out of place
-    if not all(is_plain(t) for t in param_leaves + update_leaves if t is not None):
+    # DTensor shards are written in place too; updates that carry a graph (a learned lr) are added out of place,
+    # since writing them in place under no_grad would cut the graph
+    if not all(can_write_in_place(p) for p in param_leaves) or any(
+        u is not None and not can_write_in_place(u) for u in update_leaves
+    ):
         return apply_updates(params, updates), new_state
     with torch.no_grad():
         for p, u in zip(param_leaves, update_leaves):

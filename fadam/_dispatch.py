@@ -4,6 +4,8 @@ Transforms describe their math per leaf; this module says when a faster executio
 
 - *per leaf* (always valid): plain torch ops, one leaf at a time. Required under ``torch.func`` transforms (vmap,
   grad), when autograd must record the step (meta-learning), and for tensor subclasses such as DTensor.
+- *DTensor* (FSDP2 shards): per-leaf pointwise math runs shard-local; reductions over a whole tensor (norms) give a
+  partial result that ``fadam._tree.tree_global_norm`` reduces across ranks explicitly. DTensors are never fused.
 - *fused kernels* (``torch._fused_adam_`` and friends): in-place multi-tensor kernels that exist on CPU and CUDA in
   torch 2.13. They have no autograd and no vmap batching rule, so they are used only for plain tensors that need no
   graph. ``fadam.step`` uses them for the aliases that match a fused kernel.
@@ -15,6 +17,7 @@ path loops over leaves; the fused kernel is 4x faster than either.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -33,6 +36,19 @@ def is_plain(tensor: torch.Tensor) -> bool:
         and not _functorch.is_functorch_wrapped_tensor(tensor)
         and not (tensor.requires_grad and torch.is_grad_enabled())
     )
+
+
+def is_dtensor(tensor: object) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (sharded or replicated across a device mesh, as FSDP2 makes params)."""
+    # No DTensor exists unless its module was imported; importing it here would add ~0.4 s to ``import fadam``.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def can_write_in_place(tensor: torch.Tensor) -> bool:
+    """Whether a donated buffer may be updated in place: a plain tensor, or a DTensor (its local shard is written)
+    that autograd does not need to track."""
+    return is_plain(tensor) or (is_dtensor(tensor) and not (tensor.requires_grad and torch.is_grad_enabled()))
 
 
 def can_fuse(tensors: Iterable[torch.Tensor | None]) -> bool:

@@ -71,3 +71,20 @@ def _no_zero_on_cpu(x: torch.Tensor) -> bool:
     if _functorch.is_functorch_wrapped_tensor(x) or torch.compiler.is_compiling():
         return False  # data-dependent control flow is not allowed there
     return bool(torch.amin(x.detach()) > 0)  # NaN or a negative value also take the general path
+
+
+def for_leaf(value: float | torch.Tensor, leaf: torch.Tensor) -> float | torch.Tensor:
+    """``value``, derived from a step count (a bias correction, a scheduled rate), in a form that mixes with ``leaf``.
+
+    A 0-d CPU tensor combines with tensors on any device, which is why step counts live on the CPU. Under
+    ``torch.func.vmap`` a per-member count is a CPU tensor with a hidden batch dimension, which does not combine with
+    an accelerator's tensors, so it is copied to the leaf's device (a few bytes; no host sync for a host-to-device
+    copy). Anything else is returned as it is.
+    """
+    if (
+        isinstance(value, torch.Tensor)
+        and value.device != leaf.device
+        and _functorch.is_functorch_wrapped_tensor(value)
+    ):
+        return value.to(leaf.device, non_blocking=leaf.device.type != "cpu")
+    return value

@@ -12,8 +12,9 @@ from typing import Any
 
 import optree
 import torch
+from torch._C import _functorch
 
-from fadam._dispatch import is_plain, real_view
+from fadam._dispatch import is_dtensor, real_view
 from fadam._numerics import dtype_for, safe_sqrt
 
 PyTree = Any
@@ -98,16 +99,33 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
 
     When autograd records it, the squares are summed with ``dot`` and the root is ``safe_sqrt``: the second derivative
     of ``vector_norm`` is NaN at a zero leaf, which would poison meta-gradients through ``clip_by_global_norm``.
+
+    Leaves may live on several devices (model parallel): each leaf's norm is taken on its own device and the squares
+    are summed on the first leaf's device. A DTensor leaf (FSDP2) gives a partial norm per rank, reduced here across
+    its mesh with ``full_tensor()``, a collective: every rank must call this with the same tree. The result is then a
+    plain tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
     """
     leaves = [x for x in tree_leaves(tree) if x is not None]
     if not leaves:
         return torch.zeros([])
-    if all(is_plain(x) for x in leaves):
-        squares = [torch.linalg.vector_norm(x) ** 2 for x in leaves]
-        return torch.sqrt(sum(squares[1:], squares[0]))
-    flat = [real_view(x).reshape(-1) for x in leaves]
-    squares = [torch.dot(x, x) for x in flat]
-    return safe_sqrt(sum(squares[1:], squares[0]))
+    # autograd or torch.func.grad records the norm: the formulation whose higher derivatives are finite (under vmap
+    # alone the plain one is kept, so that a vmapped norm equals the per-member ones bit for bit)
+    traced = any(_functorch.is_gradtrackingtensor(x) or (x.requires_grad and torch.is_grad_enabled()) for x in leaves)
+    squares = []
+    for x in leaves:
+        if traced and not is_dtensor(x):
+            flat = real_view(x).reshape(-1)
+            squares.append(torch.dot(flat, flat))
+            continue
+        norm = torch.linalg.vector_norm(x)
+        if is_dtensor(norm):
+            norm = norm.full_tensor()
+        squares.append(norm**2)
+    device = squares[0].device
+    # a copy to the CPU must be blocking (its value is read right away); copies between accelerators need no host sync
+    squares = [s if s.device == device else s.to(device, non_blocking=device.type != "cpu") for s in squares]
+    total = sum(squares[1:], squares[0])
+    return safe_sqrt(total) if traced else torch.sqrt(total)
 
 
 def _is_empty_node(x: Any) -> bool:

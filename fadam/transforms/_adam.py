@@ -8,7 +8,7 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._dispatch import is_plain
-from fadam._numerics import bias_correction, dtype_for, safe_increment, safe_sqrt, zero_count
+from fadam._numerics import bias_correction, dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative, check_unit_interval
 
@@ -116,6 +116,7 @@ def scale_by_adam(
                 new_nu_maxes.append(nu_max)
                 continue
             out_dtype = g.dtype
+            bc1_g, bc2_sqrt_g, bc1_next_g = (for_leaf(x, g) for x in (bc1, bc2_sqrt, bc1_next))
             complex_leaf = g.is_complex()
             gr = torch.view_as_real(g) if complex_leaf else g
             mur = torch.view_as_real(mu) if complex_leaf else mu
@@ -132,13 +133,13 @@ def scale_by_adam(
                 denom_source = nu_max_new
             if not isinstance(eps_root, torch.Tensor) and eps_root == 0.0:
                 sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt  # only autograd needs the safe one
-                denom = sqrt(denom_source) / bc2_sqrt + eps  # torch.optim's order of operations
+                denom = sqrt(denom_source) / bc2_sqrt_g + eps  # torch.optim's order of operations
             else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
-                denom = torch.sqrt(denom_source / (bc2_sqrt * bc2_sqrt) + eps_root) + eps
+                denom = torch.sqrt(denom_source / (bc2_sqrt_g * bc2_sqrt_g) + eps_root) + eps
             if nesterov:
-                numer = mu_new * (b1 / bc1_next) + _as(gr, mu_new.dtype) * ((1 - b1) / bc1)
+                numer = mu_new * (b1 / bc1_next_g) + _as(gr, mu_new.dtype) * ((1 - b1) / bc1_g)
             else:
-                numer = mu_new / bc1
+                numer = mu_new / bc1_g
             u = _as(numer / denom, gr.dtype)
             if complex_leaf:
                 u, mu_new, nu_new = (

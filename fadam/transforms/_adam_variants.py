@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, safe_increment, zero_count
+from fadam._numerics import bias_correction, for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._leafwise import map_moments
 from fadam.transforms._validation import check_non_negative, check_unit_interval
@@ -91,8 +91,9 @@ def scale_by_nadam(
             g = g.to(mu.dtype)
             mu_new = mu.lerp(g, 1 - b1)
             nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
-            denom = (nu_new / bc2).sqrt() + eps  # torch.optim.NAdam divides before the square root
-            return g / denom * grad_coef + mu_new / denom * momentum_coef, mu_new, nu_new
+            g_coef, m_coef, bc2_g = (for_leaf(x, g) for x in (grad_coef, momentum_coef, bc2))
+            denom = (nu_new / bc2_g).sqrt() + eps  # torch.optim.NAdam divides before the square root
+            return g / denom * g_coef + mu_new / denom * m_coef, mu_new, nu_new
 
         new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
         return spec.unflatten(new_updates), ScaleByNadamState(
@@ -166,10 +167,10 @@ def scale_by_radam(
             g = g.to(mu.dtype)
             mu_new = mu.lerp(g, 1 - b1)
             nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
-            mu_hat = mu_new / bc1
-            adaptive = bc2_sqrt / (nu_new.sqrt() + eps)
-            condition = rectify if rectify.device == mu_hat.device else rectify.to(mu_hat.device, non_blocking=True)
-            return torch.where(condition, mu_hat * adaptive * rect, mu_hat), mu_new, nu_new
+            bc1_g, bc2_sqrt_g, rect_g, condition = (for_leaf(x, g) for x in (bc1, bc2_sqrt, rect, rectify))
+            mu_hat = mu_new / bc1_g
+            adaptive = bc2_sqrt_g / (nu_new.sqrt() + eps)
+            return torch.where(condition, mu_hat * adaptive * rect_g, mu_hat), mu_new, nu_new
 
         new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
         return spec.unflatten(new_updates), ScaleByRadamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
@@ -223,7 +224,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
             g = g.to(mu.dtype)
             mu_new = mu.lerp(g, 1 - b1)
             nu_new = torch.maximum(nu * b2, g.abs() + eps)
-            return mu_new / nu_new / bc1, mu_new, nu_new
+            return mu_new / nu_new / for_leaf(bc1, g), mu_new, nu_new
 
         new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
         return spec.unflatten(new_updates), ScaleByAdamaxState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))

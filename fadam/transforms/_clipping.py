@@ -30,13 +30,21 @@ def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), update)
 
 
+def _on_device_of(factor: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``factor`` where it can multiply ``g``: leaves of one model may live on several devices (model parallel)."""
+    if factor.device == g.device or factor.device.type == "cpu":  # a 0-d CPU tensor mixes with any device
+        return factor
+    return factor.to(g.device, non_blocking=g.device.type != "cpu")
+
+
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
     r"""Rescales all updates together when their global L2 norm exceeds ``max_norm``.
 
     .. math::
         u = g \cdot \frac{\text{max\_norm}}{\max(\|g\|_2, \text{max\_norm})}
 
-    The norm runs over every element of every leaf (complex leaves by modulus); ``None`` updates are ignored.
+    The norm runs over every element of every leaf (complex leaves by modulus); ``None`` updates are ignored. Leaves
+    may live on several devices, and may be DTensors (the norm is then reduced across ranks; see ``tree_global_norm``).
 
     Args:
         max_norm: the largest global norm allowed.
@@ -51,7 +59,7 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
         norm = tree_global_norm(updates)
         factor = max_norm / torch.clamp(norm, min=max_norm)
-        return tree_map(lambda g: None if g is None else g * factor, updates), state
+        return tree_map(lambda g: None if g is None else g * _on_device_of(factor, g), updates), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 

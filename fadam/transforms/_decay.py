@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves
 from fadam.combinators._masking import masked
 from fadam.transforms._scaling import ScaleByScheduleState
@@ -113,7 +113,7 @@ def add_decoupled_weight_decay(
                 new.append(None)
                 continue
             p_real = p.real if p.is_complex() else p
-            rounded = factor.to(p_real.dtype) if isinstance(factor, torch.Tensor) else factor
+            rounded = for_leaf(factor, p).to(p_real.dtype) if isinstance(factor, torch.Tensor) else factor
             new.append(g - (p - p * rounded).to(g.dtype))
         return spec.unflatten(new), state
 

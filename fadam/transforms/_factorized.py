@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative
 
@@ -115,14 +115,15 @@ def scale_by_factored_rms(
                 new_vs.append(v)
                 continue
             grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype) + epsilon
+            beta_g = for_leaf(beta, g)
             dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
             if dims is None:
-                decay = beta.to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
+                decay = beta_g.to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
                 v = decay * v + (1 - decay) * grad_sqr
                 u = g * torch.rsqrt(v).to(g.real.dtype if g.is_complex() else g.dtype)
             else:
                 second, largest = dims
-                decay = beta.to(v_row.dtype)
+                decay = beta_g.to(v_row.dtype)
                 v_row = decay * v_row + (1 - decay) * grad_sqr.mean(dim=largest)
                 v_col = decay * v_col + (1 - decay) * grad_sqr.mean(dim=second)
                 row_dim = second - 1 if second > largest else second  # ``second`` in v_row, whose ``largest`` is gone

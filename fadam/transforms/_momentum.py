@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import dtype_for, safe_increment, zero_count
+from fadam._numerics import dtype_for, for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative, known_value
 
@@ -76,7 +76,7 @@ def trace(
             if undamped:
                 t_new = _add_scaled(g_acc, t, decay)
             else:
-                t_new = torch.where(first_step, g_acc, t * decay + (1 - dampening) * g_acc)
+                t_new = torch.where(for_leaf(first_step, g_acc), g_acc, t * decay + (1 - dampening) * g_acc)
             u = _add_scaled(g_acc, t_new, decay) if nesterov else t_new  # torch.optim: grad.add(buf, alpha=momentum)
             new_updates.append(u.to(g.dtype))
             new_traces.append(t_new)

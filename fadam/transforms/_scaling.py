@@ -7,14 +7,14 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, stateless_with_tree_map
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, tree_map
 from fadam.transforms._validation import check_non_negative
 
 
 def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
     # a 0-d tensor factor (a schedule's float64 value) would promote a 0-d update: keep the update's dtype
-    return tree_map(lambda g: None if g is None else (g * factor).to(g.dtype), updates)
+    return tree_map(lambda g: None if g is None else (g * for_leaf(factor, g)).to(g.dtype), updates)
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:

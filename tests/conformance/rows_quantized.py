@@ -8,10 +8,24 @@ import fadam
 from tests.conformance.table import Row
 
 ROWS = [
-    Row("adam8bit", fadam.adam8bit, {"lr": 1e-2, "min_size": 0}, reference="equations"),
-    Row("adamw8bit", fadam.adamw8bit, {"lr": 1e-2, "weight_decay": 0.1, "min_size": 0}, reference="equations"),
-    Row("adam4bit", fadam.adam4bit, {"lr": 1e-2, "min_size": 0}, reference="equations"),
-    Row("adamw4bit", fadam.adamw4bit, {"lr": 1e-2, "amsgrad": True, "min_size": 0}, reference="equations"),
-    Row("sgd8bit", fadam.sgd8bit, {"lr": 1e-2, "momentum": 0.9, "min_size": 0}, reference="equations"),
-    Row("lion8bit", fadam.lion8bit, {"lr": 1e-2, "weight_decay": 0.01, "min_size": 0}, reference="equations"),
+    Row("adam8bit", fadam.adam8bit, {"lr": 1e-2, "min_size": 0}, reference="equations", sharded=False),
+    Row(
+        "adamw8bit",
+        fadam.adamw8bit,
+        {"lr": 1e-2, "weight_decay": 0.1, "min_size": 0},
+        reference="equations",
+        sharded=False,
+    ),
+    Row("adam4bit", fadam.adam4bit, {"lr": 1e-2, "min_size": 0}, reference="equations", sharded=False),
+    Row(
+        "adamw4bit", fadam.adamw4bit, {"lr": 1e-2, "amsgrad": True, "min_size": 0}, reference="equations", sharded=False
+    ),
+    Row("sgd8bit", fadam.sgd8bit, {"lr": 1e-2, "momentum": 0.9, "min_size": 0}, reference="equations", sharded=False),
+    Row(
+        "lion8bit",
+        fadam.lion8bit,
+        {"lr": 1e-2, "weight_decay": 0.01, "min_size": 0},
+        reference="equations",
+        sharded=False,
+    ),
 ]

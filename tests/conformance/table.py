@@ -30,6 +30,9 @@ class Row:
     # and grad refuse it with a clear error, which the battery checks instead; two inits hold different handles, so
     # batteries compare such a row's params, not its state
     value_state: bool = True
+    # False where FSDP2 (DTensor params) is not supported yet: state that is not elementwise in the param (factored
+    # second moments, quantized blocks, paged storage) is not created with the params' placements
+    sharded: bool = True
 
     def build(self) -> fadam.GradientTransformation:
         return self.make(**self.kwargs)
@@ -71,3 +74,4 @@ def _collect() -> list[Row]:
 
 
 ALL_ROWS: list[Row] = _collect()
+VALUE_ROWS: list[Row] = [row for row in ALL_ROWS if row.value_state]  # state is a value: vmap, pmap, grad apply

@@ -1,0 +1,162 @@
+"""One rank of the FSDP2 / DTensor / DCP checks in ``tests/test_fsdp.py`` (run with torchrun, gloo on CPU).
+
+For every optimizer in ``CASES`` it trains a small model sharded with ``fully_shard`` for a few steps (each rank sees
+the same full batch, so FSDP's gradient averaging is exact and any difference from a single process comes from the
+optimizer), checks that the state has the params' placements, and records the full trained params. It also runs each
+optimizer alone on DTensor params and fixed DTensor gradients (no FSDP), for an exact comparison. It then saves the
+states of ``DCP_CASES`` with ``torch.distributed.checkpoint``, loads them back into 2 ranks sharded along another
+dimension, and records the full states so that the test can also load the checkpoint into one process.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import fadam
+from tests.conformance.table import ALL_ROWS
+
+STEPS = 3
+
+# name -> factory; every conformance row is included, so rows added later are checked on FSDP too
+CASES: dict[str, Callable[[], fadam.GradientTransformation]] = {
+    row.name: row.build for row in ALL_ROWS if row.sharded
+} | {
+    "clip+adamw": lambda: fadam.chain(fadam.clip_by_global_norm(0.05), fadam.adamw(1e-2)),
+    "clip+sgd": lambda: fadam.chain(fadam.clip_by_global_norm(0.05), fadam.sgd(1e-2, momentum=0.9)),
+    "masked-adam": lambda: fadam.masked(fadam.adam(1e-2), lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+    "partition": lambda: fadam.partition(
+        {"adam": fadam.adamw(1e-2), "sgd": fadam.sgd(1e-2, momentum=0.5)},
+        lambda p: {k: "adam" if k.startswith("0.") else "sgd" for k in p},
+    ),
+}
+# optimizers with a global norm: their sharded sum of squares rounds differently from one process
+GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb"}  # lamb: per-leaf norms for its trust ratio
+# optimizers whose state goes through a DCP save and a load into 2 ranks and into 1 process
+DCP_CASES = ["adamw", "clip+sgd"]
+
+
+def make_model() -> torch.nn.Module:
+    """80x64 = 5120 elements: above the 4096 under which quantized state stays fp32, but each of 2 shards is below it.
+    The last layer has 3 rows, split unevenly (2 + 1) over 2 ranks."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 80), torch.nn.GELU(), torch.nn.Linear(80, 64), torch.nn.LayerNorm(64)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(64, 3))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(16, 64, generator=generator), torch.randn(16, 3, generator=generator)
+
+
+def train(model: torch.nn.Module, tx: fadam.GradientTransformation) -> tuple[dict, object]:
+    """``STEPS`` steps alternating ``update`` + ``apply_updates`` and ``fadam.step(donate=True)``."""
+    x, y = batch()
+    params = dict(model.named_parameters())
+    state = tx.init(params)
+    for step in range(STEPS):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            grads = {name: p.grad for name, p in params.items()}
+            if step % 2:
+                new, state = fadam.step(tx, params, grads, state, donate=True)
+                for p, value in zip(params.values(), new.values()):
+                    # DTensors are written in place (the sharded module trains on); the reference copies
+                    assert value is p or not fadam._dispatch.is_dtensor(p), "donated DTensors are updated in place"
+                    if value is not p:
+                        p.copy_(value)
+            else:
+                updates, state = tx.update(grads, state, params)
+                for p, value in zip(params.values(), fadam.apply_updates(params, updates).values()):
+                    p.copy_(value)
+        model.zero_grad(set_to_none=True)
+    return params, state
+
+
+def dtensor_grads() -> list[dict[str, torch.Tensor]]:
+    """Fixed full gradients for ``STEPS`` steps, shaped like ``make_model``'s params."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = {name: p.shape for name, p in make_model().named_parameters()}
+    return [{k: torch.randn(shape, generator=generator) for k, shape in shapes.items()} for _ in range(STEPS)]
+
+
+def train_on_grads(params: dict, grads: list[dict], tx: fadam.GradientTransformation) -> dict:
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = fadam.apply_updates(params, updates)
+    return params
+
+
+def _full(tree: object) -> object:
+    """Every DTensor leaf as its full tensor (a collective: all ranks call it)."""
+    return fadam.tree_map(lambda x: x.full_tensor() if fadam._dispatch.is_dtensor(x) else x, tree)
+
+
+def _shard_dim1(param: torch.nn.Parameter) -> object:
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.ndim == 2 else Shard(0)
+
+
+def main(out: Path) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict[str, object] = {"params": {}, "dtensor": {}, "states": {}}
+    for name, make in CASES.items():
+        model = make_model()
+        fully_shard(model)
+        tx = make()
+        params = dict(model.named_parameters())
+        for leaf in fadam._tree.tree_leaves(tx.init(params)):
+            if leaf is not None and leaf.dim() > 0:  # moments: DTensors sharded like their params
+                assert fadam._dispatch.is_dtensor(leaf), name
+                reference = params["0.weight"]
+                assert (leaf.device_mesh, leaf.placements) == (reference.device_mesh, reference.placements), name
+        params, state = train(model, tx)
+        results["params"][name] = _full(params)
+        # the optimizer alone on DTensors (sharded along dim 0, uneven where the size is odd), on fixed gradients
+        mesh = params["0.weight"].device_mesh
+        shard = [Shard(0)]
+        plain = {k: v.detach() for k, v in make_model().named_parameters()}
+        distributed = {k: distribute_tensor(v, mesh, shard) for k, v in plain.items()}
+        grads = [{k: distribute_tensor(v, mesh, shard) for k, v in g.items()} for g in dtensor_grads()]
+        results["dtensor"][name] = _full(train_on_grads(distributed, grads, tx))
+        if name in DCP_CASES:
+            dcp.save({"optim": fadam.state_to_dict(state)}, checkpoint_id=out / f"ckpt-{name}")
+            full_state = _full(state)
+            results["states"][name] = fadam.state_to_dict(full_state)
+            # load into 2 ranks whose matrices are sharded along dim 1 instead of dim 0 (resharding)
+            other = make_model()
+            fully_shard(other, shard_placement_fn=_shard_dim1)
+            like = tx.init(dict(other.named_parameters()))
+            target = {"optim": fadam.state_to_dict(like)}
+            dcp.load(target, checkpoint_id=out / f"ckpt-{name}")
+            loaded = fadam.state_from_dict(like, target["optim"])
+            for leaf in fadam._tree.tree_leaves(loaded):
+                if fadam._dispatch.is_dtensor(leaf) and leaf.ndim == 2:
+                    assert leaf.placements[0].dim == 1, f"{name}: loaded state keeps the template's sharding"
+            leaves = fadam._tree.tree_leaves
+            for path, a, b in zip(fadam.tree_paths(full_state), leaves(_full(loaded)), leaves(full_state)):
+                assert (a is None and b is None) or torch.equal(a, b), f"{name} {path} differs after a 2-rank reload"
+    mesh = params["0.weight"].device_mesh
+    sharded_grads = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in dtensor_grads()[0].items()}
+    results["global_norm"] = fadam.tree_global_norm(sharded_grads)  # a collective, on every rank
+    if rank == 0:
+        torch.save(results, out / "results.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: {len(CASES)} optimizers trained, {len(DCP_CASES)} checkpoints reloaded")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(Path(sys.argv[1]))
