@@ -28,10 +28,14 @@ FUSED_DEVICE_TYPES = ("cpu", "cuda")
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_plain(tensor: torch.Tensor) -> bool:
-    """A dense ``torch.Tensor`` (no subclass, no functorch wrapper) that autograd does not need to track."""
+    """A dense ``torch.Tensor`` or ``nn.Parameter`` (no other subclass, no functorch wrapper) that autograd does not
+    need to track."""
     return (
-        type(tensor) is torch.Tensor
+        type(tensor) in _PLAIN_TYPES
         and tensor.layout == torch.strided
         and not _functorch.is_functorch_wrapped_tensor(tensor)
         and not (tensor.requires_grad and torch.is_grad_enabled())

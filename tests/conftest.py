@@ -1,3 +1,14 @@
-import torch
+"""Test-wide settings.
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+One intra-op thread: the suite runs thousands of steps on tiny tensors, where torch's CPU kernels (the fused
+optimizer kernels above all) can take milliseconds per call when OpenMP threads wait for a busy core, measured at
+~21 ms instead of ~3 us on a loaded 2-core machine. Subprocesses started by tests (examples, torchrun) inherit it.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # after OMP_NUM_THREADS, which torch reads when it loads
+
+torch.set_num_threads(1)
