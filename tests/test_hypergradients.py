@@ -2,8 +2,9 @@
 params and every hyperparameter, torch.autograd vs torch.func agreement, finite meta-gradients where Adam's second
 moment is zero, and the fused/in-place paths never cutting a graph.
 
-Each case builds its transform as ``factory(**hparams)`` with 0-d tensor hyperparameters; wrapping the factory (for
-instance in ``inject_hyperparams``) is a one-line change of ``Case.factory``.
+Each case builds its transform as ``factory(**hparams)`` with 0-d tensor hyperparameters, or, for the injected cases,
+as ``inject_hyperparams(factory)`` built from the float values with the differentiated tensors then written into
+``InjectHyperparamsState.hyperparams``, the way a meta-learner keeps its learned hyperparameters in the state.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Case:
     factory: Callable[..., fadam.GradientTransformation]
     hparams: dict[str, float | tuple[float, ...]]  # differentiated; passed as 0-d float64 tensors
     static: dict[str, Any] = field(default_factory=dict)
+    injected: bool = False  # through inject_hyperparams: the tensors go into the state, not into the factory
 
     def __str__(self) -> str:
         return self.name
@@ -36,7 +38,20 @@ def _clipped_adam(max_norm: torch.Tensor, lr: torch.Tensor, betas: tuple, weight
     return fadam.chain(fadam.clip_by_global_norm(max_norm), fadam.adam(lr=lr, betas=betas, weight_decay=weight_decay))
 
 
-CASES = [
+def _adam_b1_b2(lr: Any, b1: Any, b2: Any, weight_decay: Any, amsgrad: bool = False):
+    """``adam`` with scalar ``b1``/``b2``: ``inject_hyperparams`` keeps a tuple such as ``betas`` static."""
+    return fadam.adam(lr=lr, betas=(b1, b2), weight_decay=weight_decay, amsgrad=amsgrad)
+
+
+def _adamw_b1_b2(lr: Any, b1: Any, b2: Any, weight_decay: Any):
+    return fadam.adamw(lr=lr, betas=(b1, b2), weight_decay=weight_decay)
+
+
+def _clipped_adam_b1_b2(max_norm: Any, lr: Any, b1: Any, b2: Any, weight_decay: Any):
+    return _clipped_adam(max_norm, lr, (b1, b2), weight_decay)
+
+
+DIRECT_CASES = [
     Case("adam", fadam.adam, {"lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.1}),
     Case("adamw", fadam.adamw, {"lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.2}),
     Case("adam-amsgrad", fadam.adam, {"lr": 0.05, "betas": (0.7, 0.8), "weight_decay": 0.1}, {"amsgrad": True}),
@@ -44,6 +59,16 @@ CASES = [
     Case("sgd-nesterov", fadam.sgd, {"lr": 0.1, "momentum": 0.8, "weight_decay": 0.1}, {"nesterov": True}),
     Case("clip-adam", _clipped_adam, {"max_norm": 0.5, "lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.1}),
 ]
+_INJECTED_HPARAMS = {"lr": 0.05, "b1": 0.8, "b2": 0.9, "weight_decay": 0.1}
+INJECTED_CASES = [
+    Case("inject-adam", _adam_b1_b2, _INJECTED_HPARAMS, injected=True),
+    Case("inject-adamw", _adamw_b1_b2, {**_INJECTED_HPARAMS, "weight_decay": 0.2}, injected=True),
+    Case("inject-adam-amsgrad", _adam_b1_b2, {**_INJECTED_HPARAMS, "b1": 0.7, "b2": 0.8}, {"amsgrad": True}, True),
+    Case("inject-sgd-momentum", fadam.sgd, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, injected=True),
+    Case("inject-sgd-nesterov", fadam.sgd, {"lr": 0.1, "momentum": 0.8, "weight_decay": 0.1}, {"nesterov": True}, True),
+    Case("inject-clip-adam", _clipped_adam_b1_b2, {"max_norm": 0.5, **_INJECTED_HPARAMS}, injected=True),
+]
+CASES = DIRECT_CASES + INJECTED_CASES
 
 _gen = torch.Generator().manual_seed(0)
 A_TRAIN = torch.randn(4, 3, generator=_gen, dtype=F64)
@@ -70,13 +95,25 @@ def _flat_inputs(case: Case) -> tuple[list[torch.Tensor], Callable[[list[torch.T
     return [x.clone().requires_grad_() for x in leaves], spec.unflatten
 
 
+def build(case: Case, params: dict, hparams: dict) -> tuple[fadam.GradientTransformation, Any]:
+    """The transform and its initial state, with the hyperparameter tensors ``hparams`` in the factory or the state."""
+    if not case.injected:
+        tx = case.factory(**hparams, **case.static)
+        return tx, tx.init(params)
+    tx = fadam.inject_hyperparams(case.factory)(**case.hparams, **case.static)
+    state = tx.init(params)
+    assert set(hparams) <= set(state.hyperparams), (sorted(hparams), sorted(state.hyperparams))
+    return tx, state._replace(hyperparams={**state.hyperparams, **hparams})
+
+
 def unrolled_autograd(case: Case, params: dict, hparams: dict, steps: int = STEPS) -> torch.Tensor:
     """Validation loss after ``steps`` inner steps, inner gradients by ``torch.autograd.grad(create_graph=True)``."""
-    return unrolled_loop(case.factory(**hparams, **case.static), params, steps)
+    tx, state = build(case, params, hparams)
+    return unrolled_loop(tx, params, steps, state)
 
 
-def unrolled_loop(tx: fadam.GradientTransformation, params: dict, steps: int) -> torch.Tensor:
-    state = tx.init(params)
+def unrolled_loop(tx: fadam.GradientTransformation, params: dict, steps: int, state: Any = None) -> torch.Tensor:
+    state = tx.init(params) if state is None else state
     for _ in range(steps):
         leaves = list(params.values())
         grads = dict(zip(params, torch.autograd.grad(_loss(params, A_TRAIN, Y_TRAIN), leaves, create_graph=True)))
@@ -86,8 +123,7 @@ def unrolled_loop(tx: fadam.GradientTransformation, params: dict, steps: int) ->
 
 def unrolled_functional(case: Case, params: dict, hparams: dict, steps: int = STEPS) -> torch.Tensor:
     """The same loop written purely functionally: inner gradients by ``torch.func.grad``."""
-    tx = case.factory(**hparams, **case.static)
-    state = tx.init(params)
+    tx, state = build(case, params, hparams)
     for _ in range(steps):
         grads = torch.func.grad(_loss)(params, A_TRAIN, Y_TRAIN)
         params, state = fadam.step(tx, params, grads, state)
@@ -318,3 +354,38 @@ def test_every_transform_is_differentiable_in_params_and_hyperparameters(index: 
     grads = torch.autograd.grad(fn(*inputs), inputs)
     assert grads[-1].abs() > 1e-8  # the hyperparameter is really in the graph
     assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=str)
+def test_a_meta_learned_lr_in_the_inject_state_gets_the_gradient_of_the_lr_passed_directly(case: Case) -> None:
+    """Three outer Adam steps on the inner learning rate, kept once in ``InjectHyperparamsState.hyperparams["lr"]``
+    and once passed to the factory: the same hypergradients and the same learned lr, bit for bit."""
+
+    def direct(lr: torch.Tensor) -> tuple[fadam.GradientTransformation, Any]:
+        tx = case.factory(**{**case.hparams, "lr": lr}, **case.static)
+        return tx, None
+
+    def injected(lr: torch.Tensor) -> tuple[fadam.GradientTransformation, Any]:
+        tx = fadam.inject_hyperparams(case.factory)(**case.hparams, **case.static)
+        state = tx.init(PARAMS0)
+        return tx, state._replace(hyperparams={**state.hyperparams, "lr": lr})
+
+    def meta_learn(make: Callable) -> list[torch.Tensor]:
+        lr = torch.tensor(case.hparams["lr"], dtype=F64)
+        outer_tx = fadam.adam(lr=0.01)
+        outer_state = outer_tx.init(lr)
+        seen = []
+        for _ in range(3):
+            lr = lr.detach().requires_grad_()
+            params = {k: v.clone().requires_grad_() for k, v in PARAMS0.items()}
+            tx, state = make(lr)
+            (grad,) = torch.autograd.grad(unrolled_loop(tx, params, STEPS, state), lr)
+            lr, outer_state = fadam.step(outer_tx, lr.detach(), grad, outer_state)
+            seen += [grad, lr]
+        return seen
+
+    expected, actual = meta_learn(direct), meta_learn(injected)
+    assert expected[0].abs() > 1e-6
+    assert not torch.equal(expected[1], torch.tensor(case.hparams["lr"], dtype=F64))  # the lr really moved
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert torch.equal(a, e), (i, a, e)

@@ -243,3 +243,23 @@ def test_compiled_step_does_not_recompile_as_the_scheduled_lr_changes():
             torch.testing.assert_close(params[key], eager_params[key], rtol=1e-6, atol=1e-7)
     assert counter.frame_count == frames  # the lr changed every step (0, 0.05, 0.1, ...) and nothing recompiled
     assert float(state.hyperparams["lr"]) == float(eager_state.hyperparams["lr"]) > 0
+
+
+def test_a_float_written_over_an_int_hyperparameter_is_neither_truncated_nor_cut_from_the_graph():
+    tx = fadam.inject_hyperparams(fadam.sgd)(lr=1, momentum=0.9)  # lr given as a Python int: stored as int64
+    params, grads = {"w": torch.tensor([1.0, -2.0])}, {"w": torch.tensor([0.5, 0.25])}
+    state = tx.init(params)
+    assert state.hyperparams["lr"].dtype == torch.int64
+    meta_lr = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    updates, new_state = tx.update(grads, state._replace(hyperparams={**state.hyperparams, "lr": meta_lr}), params)
+    torch.testing.assert_close(updates["w"], -0.5 * grads["w"])
+    assert new_state.hyperparams["lr"] is meta_lr
+    (dlr,) = torch.autograd.grad(updates["w"].sum(), meta_lr)
+    assert dlr == -0.75
+    # a Python float written over it is read as a float too, as at construction
+    updates, new_state = tx.update(grads, state._replace(hyperparams={**state.hyperparams, "lr": 0.25}), params)
+    torch.testing.assert_close(updates["w"], -0.25 * grads["w"])
+    assert new_state.hyperparams["lr"].dtype == torch.float64
+    # an int written over a float hyperparameter is still cast to the float's dtype
+    _, new_state = tx.update(grads, state._replace(hyperparams={**state.hyperparams, "momentum": 1}), params)
+    assert new_state.hyperparams["momentum"].dtype == torch.float64

@@ -72,12 +72,14 @@ def inject_hyperparams(
     Numeric arguments are Python ``int``/``float`` and 0-d tensors; ``bool`` flags, tuples and other values are
     static, passed through unchanged, as is every argument named in ``static_args``. Callables are schedules unless
     named in ``static_args``. Python floats are stored in float64 (``hyperparam_dtype`` if given), ints in int64,
-    tensors as given. On an ordinary eager step the factory receives values given as Python numbers back as Python
-    numbers (read from their CPU tensors, no device sync), so the wrapped optimizer is bit-identical to the plain one;
-    under autograd, ``torch.func`` or ``torch.compile`` it receives the tensors. ``fadam.step`` still runs the inner
-    alias's fused kernel when it has one. A hyperparameter whose value decides the structure of the factory's chain
-    (``adam``'s ``weight_decay`` of 0 adds no decay transform) keeps that structure from ``init``: change it only
-    between values of the same kind, or name it in ``static_args`` under ``torch.compile``.
+    tensors as given; a value written into the state is cast to its hyperparameter's dtype, except a floating value
+    written over an int, which stays floating (never truncated). On an ordinary eager step the factory receives values
+    given as Python numbers back as Python numbers (read from their CPU tensors, no device sync), so the wrapped
+    optimizer is bit-identical to the plain one; under autograd, ``torch.func`` or ``torch.compile`` it receives the
+    tensors. ``fadam.step`` still runs the inner alias's fused kernel when it has one. A hyperparameter whose value
+    decides the structure of the factory's chain (``adam``'s ``weight_decay`` of 0 adds no decay transform) keeps that
+    structure from ``init``: change it only between values of the same kind, or name it in ``static_args`` under
+    ``torch.compile``.
 
     Args:
         inner_factory: a function returning a ``GradientTransformation``, such as ``fadam.adam``.
@@ -101,6 +103,7 @@ def inject_hyperparams(
         optax.inject_hyperparams.
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
+    float_dtype = hyperparam_dtype or torch.float64
     signature = inspect.signature(inner_factory)
     parameters = signature.parameters
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -133,7 +136,7 @@ def inject_hyperparams(
             elif callable(value):
                 schedules[name] = value
             elif isinstance(value, (int, float)):
-                dtype = torch.int64 if isinstance(value, int) else hyperparam_dtype or torch.float64
+                dtype = torch.int64 if isinstance(value, int) else float_dtype
                 numerics[name] = _Numeric(dtype, python_number=True)
                 initial[name] = torch.tensor(value, dtype=dtype)
             elif isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -169,9 +172,12 @@ def inject_hyperparams(
                 if name not in state.hyperparams:
                     raise ValueError(f"state.hyperparams lacks {name!r}")
                 value = state.hyperparams[name]
-                if not isinstance(value, torch.Tensor):
-                    value = torch.tensor(value, dtype=numeric.dtype)
-                stored[name] = value if value.dtype == numeric.dtype else value.to(numeric.dtype)
+                if not isinstance(value, torch.Tensor):  # a Python number written into the state: stored as in init
+                    value = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else float_dtype)
+                # a floating value written over an int (a meta-learned lr over ``lr=1``) keeps its dtype: casting it
+                # would truncate it and cut its gradient
+                truncates = value.is_floating_point() and not numeric.dtype.is_floating_point
+                stored[name] = value if value.dtype == numeric.dtype or truncates else value.to(numeric.dtype)
             raw, stored_schedules = scheduled(state.count)
             stored.update(stored_schedules)
             values = {name: _to_factory(stored[name], numerics[name].python_number) for name in numerics}
