@@ -123,8 +123,14 @@ def scale_by_adam(
             nur = torch.view_as_real(nu) if complex_leaf else nu
             mu_new = mur.lerp(_as(gr, mur.dtype), _cast(1 - b1, mur.dtype))
             g_nu = _as(gr, nur.dtype)
+            # no graph to record: intermediates this update allocated are rewritten in place (same arithmetic, fewer
+            # fresh param-sized buffers, which cost page faults on large tensors). Not for 0-d leaves: there the
+            # out-of-place ops promote with the float64 bias corrections, as they do under vmap, and must stay equal.
+            reuse = is_plain(g_nu) and is_plain(nur) and g_nu.dim() > 0 and not isinstance(b2, torch.Tensor)
             if isinstance(b2, torch.Tensor):  # addcmul's value must be a number; this rounds the same way
                 nu_new = torch.addcmul(nur * b2.to(nur.dtype), g_nu * (1 - b2).to(nur.dtype), g_nu)
+            elif reuse:
+                nu_new = (nur * b2).addcmul_(g_nu, g_nu, value=1 - b2)
             else:
                 nu_new = torch.addcmul(nur * b2, g_nu, g_nu, value=1 - b2)
             denom_source = nu_new
@@ -132,15 +138,18 @@ def scale_by_adam(
                 nu_max_new = torch.maximum(torch.view_as_real(nu_max) if complex_leaf else nu_max, nu_new)
                 denom_source = nu_max_new
             if not isinstance(eps_root, torch.Tensor) and eps_root == 0.0:
-                sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt  # only autograd needs the safe one
-                denom = sqrt(denom_source) / bc2_sqrt_g + eps  # torch.optim's order of operations
+                if reuse:
+                    denom = denom_source.sqrt().div_(bc2_sqrt_g).add_(eps)  # torch.optim's order of operations
+                else:
+                    sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt  # only autograd needs the safe one
+                    denom = sqrt(denom_source) / bc2_sqrt_g + eps
             else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
                 denom = torch.sqrt(denom_source / (bc2_sqrt_g * bc2_sqrt_g) + eps_root) + eps
             if nesterov:
                 numer = mu_new * (b1 / bc1_next_g) + _as(gr, mu_new.dtype) * ((1 - b1) / bc1_g)
             else:
                 numer = mu_new / bc1_g
-            u = _as(numer / denom, gr.dtype)
+            u = _as(numer.div_(denom) if reuse else numer / denom, gr.dtype)
             if complex_leaf:
                 u, mu_new, nu_new = (
                     torch.view_as_complex(u),
