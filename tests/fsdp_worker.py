@@ -5,7 +5,9 @@ the same full batch, so FSDP's gradient averaging is exact and any difference fr
 optimizer), checks that the state has the params' placements, and records the full trained params. It also runs each
 optimizer alone on DTensor params and fixed DTensor gradients (no FSDP), for an exact comparison. It then saves the
 states of ``DCP_CASES`` with ``torch.distributed.checkpoint``, loads them back into 2 ranks sharded along another
-dimension, and records the full states so that the test can also load the checkpoint into one process.
+dimension, records the full states so that the test can also load the checkpoint into one process, and trains on
+from both the saved and the reloaded state on fixed gradients (``continued``). Quantized state is compared through
+its dequantized values (``dense``).
 """
 
 from __future__ import annotations
@@ -190,10 +192,13 @@ def main(out: Path) -> None:
                 if fadam._dispatch.is_dtensor(leaf) and leaf.ndim == 2:
                     assert leaf.placements[0].dim == 1, f"{name}: loaded state keeps the template's sharding"
             leaves = fadam._tree.tree_leaves
-            for path, a, b in zip(fadam.tree_paths(full_state), leaves(_full(dense(loaded))), leaves(full_state)):
-                if name in QUANTIZED_ROWS and a.dtype == torch.float32 and a.dim():  # requantized in other blocks
-                    # dequantize(quantize(x)) moves each value at most to a neighbouring code of its new block
-                    torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * float(b.abs().max()), msg=f"{name} {path}")
+            quantized = [is_sharded(x) for x in optree.tree_leaves(state, is_leaf=is_sharded, none_is_leaf=True)]
+            for path, a, b, requantized in zip(
+                fadam.tree_paths(full_state), leaves(_full(dense(loaded))), leaves(full_state), quantized, strict=True
+            ):
+                if requantized:  # in the blocks of the dim-1 shards: one more 8-bit rounding of each value
+                    # measured at most 0.6 % of the leaf's largest value (2.5 % of the value's own block's)
+                    torch.testing.assert_close(a, b, rtol=0, atol=0.05 * float(b.abs().max()), msg=f"{name} {path}")
                 else:
                     assert (a is None and b is None) or torch.equal(a, b), f"{name} {path} differs after a reload"
             # both states train on identically: the original (dim-0 shards) and the reloaded one (dim-1 shards)
