@@ -105,6 +105,10 @@ def test_an_update_laid_out_unlike_the_state_is_refused(mesh: object) -> None:
     replicated = {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in plain.items()}
     with pytest.raises(ValueError, match=r"update is a DTensor \(40, 64\) \(Replicate\(\),\)"):
         tx.update(replicated, state, params)
+    with pytest.raises(
+        ValueError, match=r"state at \[1\]\['w'\] was made for a plain param, but its update is a DTensor"
+    ):
+        tx.update(_grads(mesh, 0), tx.init(plain), plain)
 
 
 def test_checkpoint_dict_holds_float32_values_and_reloads_the_same_codes(mesh: object) -> None:

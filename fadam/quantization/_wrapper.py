@@ -173,12 +173,16 @@ def quantize_state(
                 _check_sharded(leaf, g, block, path_str(paths[index]))
                 full[index] = passed[index] = dequantize_sharded(leaf, bits, block)
                 continue
+            if is_dtensor(g):
+                raise ValueError(
+                    f"quantized state at {path_str(paths[index])} was made for a plain param, but its update is a "
+                    f"DTensor {tuple(g.shape)} {g.placements}"
+                )
             sizes = (leaf.codes.shape[-1], leaf.absmax.shape[-1]) if leaf.codes.dim() else (-1, -1)
-            if sizes != expected_sizes(g.numel(), bits, block) or is_dtensor(g):
+            if sizes != expected_sizes(g.numel(), bits, block):
                 raise ValueError(
                     f"quantized state at {path_str(paths[index])} holds {sizes[0]} codes and {sizes[1]} blocks, but "
                     f"its update has shape {tuple(g.shape)} (expected {expected_sizes(g.numel(), bits, block)})"
-                    + (" and is a DTensor: the state was made for plain params" if is_dtensor(g) else "")
                 )
             full[index] = passed[index] = dequantize_blockwise(leaf, g.shape, bits, block)
         new_updates, new_inner = inner.update(updates, spec.unflatten(full), params, **extra_args)
