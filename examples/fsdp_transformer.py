@@ -1,10 +1,13 @@
-"""Train a small transformer language model with FSDP2 (``fully_shard``) and a fadam optimizer.
+"""Train a small transformer language model with FSDP2 (``fully_shard``) and fadam's 8-bit AdamW.
 
 Every parameter is sharded across the ranks as a DTensor, and so is the optimizer state: ``tx.init`` builds the state
-with the params' placements, the AdamW math runs on each rank's shards without communication, and the global gradient
-norm of ``clip_by_global_norm`` is reduced across ranks. ``fadam.step(..., donate=True)`` writes the new values into
-the sharded params in place. The data is synthetic (token t+1 = (5 * token t + 3) mod vocab from a random start, a
-rule the model learns in a few dozen steps); each rank draws its own batches, and FSDP averages the gradients.
+with the params' placements, and ``fadam.adamw8bit`` stores the moments of every param of at least ``--min-8bit-size``
+elements as 8-bit codes sharded like the param, with one float32 scale per block of 256 elements of each rank's shard
+(smaller params keep float32 moments). The AdamW math runs on each rank's shards without communication, and the
+global gradient norm of ``clip_by_global_norm`` is reduced across ranks. ``fadam.step(..., donate=True)`` writes the
+new values into the sharded params in place. The data is synthetic (token t+1 = (5 * token t + 3) mod vocab from a
+random start, a rule the model learns in a few dozen steps); each rank draws its own batches, and FSDP averages the
+gradients.
 
 Run with fadam installed (``pip install -e .``), or from the repository root with ``PYTHONPATH=.`` in front:
 
@@ -16,7 +19,8 @@ Run with fadam installed (``pip install -e .``), or from the repository root wit
 
 ``--checkpoint DIR`` saves the model and optimizer state with ``torch.distributed.checkpoint`` at the end, and resumes
 from DIR when it already holds one (with any number of ranks: DCP reshards on load). The optimizer state goes through
-``fadam.state_to_dict``/``fadam.state_from_dict``, since DCP does not look inside tuples (see ``fadam.distributed``).
+``fadam.state_to_dict``/``fadam.state_from_dict``, since DCP does not look inside tuples (see ``fadam.distributed``);
+8-bit moments are saved dequantized (float32, sharded like the params) and requantized in the new ranks' blocks.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when available")
+    parser.add_argument("--min-8bit-size", type=int, default=4096, help="smaller params keep float32 moments")
     parser.add_argument("--checkpoint", type=Path, default=None, help="resume from / save to this DCP directory")
     args = parser.parse_args()
 
@@ -112,8 +117,10 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     params = dict(model.named_parameters())
 
-    tx = fadam.chain(fadam.clip_by_global_norm(1.0), fadam.adamw(lr=args.lr, weight_decay=0.01))
-    state = tx.init(params)  # DTensors with the params' placements; step counts are plain tensors
+    tx = fadam.chain(
+        fadam.clip_by_global_norm(1.0), fadam.adamw8bit(lr=args.lr, weight_decay=0.01, min_size=args.min_8bit_size)
+    )
+    state = tx.init(params)  # codes and float32 moments sharded like the params; scales and step counts are local
 
     if args.checkpoint is not None and (args.checkpoint / ".metadata").exists():
         target = {"model": model.state_dict(), "optim": fadam.state_to_dict(state)}
@@ -147,7 +154,9 @@ def main() -> None:
         dcp.save({"model": model.state_dict(), "optim": fadam.state_to_dict(state)}, checkpoint_id=args.checkpoint)
     if rank == 0:
         print(f"uniform guess {math.log(args.vocab):.4f}; first logged loss {first_loss:.4f}; final loss {mean:.4f}")
+        quantized = sum(p.numel() >= args.min_8bit_size for p in params.values())
         print(f"{world} ranks, {sum(p.numel() for p in params.values())} parameters, state sharded like the params")
+        print(f"8-bit moments for {quantized} of {len(params)} parameter tensors")
     dist.barrier()  # gloo can abort a rank whose peer tore the group down first
     dist.destroy_process_group()
 

@@ -5,6 +5,10 @@ fadam state is made of NamedTuples, tuples and dicts. ``torch.load(weights_only=
 ``torch.distributed.checkpoint`` traverses only dicts and lists (a DTensor inside a tuple is pickled and comes back
 wrong without an error), so checkpoints hold the state as nested dicts keyed by each node's field name, index or
 key, and are rebuilt against a freshly initialised state that fixes the structure.
+
+Quantized state of DTensor params (``fadam.quantization._sharded``) has per-block scales tied to one shard layout; it
+is stored dequantized, as a float32 DTensor sharded like its param under the key ``"values"``, so that it reshards
+like any other state, and it is requantized into the template's layout on load.
 """
 
 from __future__ import annotations
@@ -14,15 +18,19 @@ from typing import Any
 import optree
 import torch
 
+from fadam._dispatch import is_dtensor
 from fadam._tree import PyTree, path_str
+from fadam.quantization._sharded import dequantize_sharded, is_sharded, quantize_sharded, sharded_block_size
 
 __all__ = ["state_from_dict", "state_to_dict"]
 
 
 def _leaves_with_paths(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
     """Leaves with their paths, NamedTuple fields named (``("0", "mu", "w")``) rather than numbered."""
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, none_is_leaf=True)
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_sharded, none_is_leaf=True)
     paths = [tuple(getattr(entry, "field", entry.entry) for entry in accessor) for accessor in accessors]
+    # a sharded quantized leaf is one entry, its dequantized values
+    paths = [(*path, "values") if is_sharded(leaf) else path for path, leaf in zip(paths, leaves)]
     return paths, leaves, spec
 
 
@@ -30,7 +38,8 @@ def state_to_dict(state: PyTree) -> dict[str, Any]:
     """Converts a state into nested dicts of its leaves, keyed by ``str`` of each path entry.
 
     NamedTuple fields become their names, tuple and list positions ``"0"``, ``"1"``, ...; empty nodes (``EmptyState``,
-    masked-out leaves) hold nothing and are rebuilt from the template by ``state_from_dict``. Leaves are not copied.
+    masked-out leaves) hold nothing and are rebuilt from the template by ``state_from_dict``. Leaves are not copied,
+    except quantized state of DTensor params, stored dequantized (float32, sharded like the param) so that it reshards.
 
     Example:
         >>> import torch, fadam
@@ -51,7 +60,7 @@ def state_to_dict(state: PyTree) -> dict[str, Any]:
                 raise ValueError(f"state path {path_str(path)} collides with another leaf after converting keys to str")
         if str(path[-1]) in node:
             raise ValueError(f"state path {path_str(path)} collides with another entry after converting keys to str")
-        node[str(path[-1])] = leaf
+        node[str(path[-1])] = dequantize_sharded(leaf, 8, sharded_block_size(leaf)) if is_sharded(leaf) else leaf
     return out
 
 
@@ -84,12 +93,31 @@ def state_from_dict(like: PyTree, d: dict[str, Any]) -> PyTree:
             if not isinstance(node, dict) or str(key) not in node:
                 raise ValueError(f"checkpoint is missing state path {path_str(path[: depth + 1])}")
             node = node[str(key)]
-        values.append(_checked_leaf(path, node, like_leaf))
+        values.append(
+            _requantized(path, node, like_leaf) if is_sharded(like_leaf) else _checked_leaf(path, node, like_leaf)
+        )
     expected = {tuple(str(key) for key in path) for path in paths}
     for found in _count_leaves(d):
         if found not in expected:
             raise ValueError(f"checkpoint has state path {path_str(found)} that this optimizer does not have")
     return spec.unflatten(values)
+
+
+def _requantized(path: tuple[Any, ...], value: Any, like: Any) -> Any:
+    """Dequantized values of a sharded quantized leaf, quantized again in the layout of ``like`` (its template)."""
+    codes = like.codes
+    if not isinstance(value, torch.Tensor) or value.shape != codes.shape or value.dtype != torch.float32:
+        found = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"state path {path_str(path)}: expected float32 values of shape {tuple(codes.shape)}, got {found}"
+        )
+    if not is_dtensor(value):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(codes.device), codes.device_mesh, codes.placements)
+    elif (value.device_mesh, value.placements) != (codes.device_mesh, codes.placements):
+        value = value.redistribute(codes.device_mesh, codes.placements)
+    return quantize_sharded(value, 8, sharded_block_size(like))
 
 
 def _checked_leaf(path: tuple[Any, ...], value: Any, like: Any) -> Any:

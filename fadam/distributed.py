@@ -62,6 +62,15 @@ N ranks loads into M ranks or into one process::
 DCP loads into the template's tensors, so their shapes and placements (not the checkpoint's) decide the sharding of
 the loaded state; step counts are saved once, as replicated plain tensors. Loading in a single process without a
 process group works as is (DCP warns that it assumes one process).
+
+Quantized state (``fadam.adamw8bit`` and other 8-bit ``quantize_state`` transforms) works on DTensor params: each rank
+quantizes its own shard, its codes sharded like the param and one scale per block of the local shard (see
+``fadam.quantization._sharded``). Those scales belong to one shard layout, so ``state_to_dict`` saves such a leaf
+dequantized, as a float32 DTensor sharded like the param (a checkpoint 4x the size of the codes, resharded by DCP like
+any other state), and ``state_from_dict`` requantizes it in the blocks of the template's layout: exactly the saved
+codes when the blocks are the same, one more 8-bit rounding otherwise. The template must then be sharded too (FSDP
+over any number of ranks, one included): a plain single-process template asks for the codes, which such a checkpoint
+does not hold (DCP raises ``Missing key ... codes``). 4-bit state is not supported on DTensor params.
 """
 
 from __future__ import annotations

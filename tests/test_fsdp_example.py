@@ -1,5 +1,5 @@
-"""``examples/fsdp_transformer.py`` trains on 2 CPU ranks (FSDP2, gloo), saves a DCP checkpoint, and resumes from it
-on 1 rank (resharding)."""
+"""``examples/fsdp_transformer.py`` trains with ``fadam.adamw8bit`` on 2 CPU ranks (FSDP2, gloo), saves a DCP
+checkpoint, and resumes from it on 1 rank (resharding the 8-bit state)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,10 @@ def test_trains_on_two_ranks_and_resumes_on_one(tmp_path: Path) -> None:
     out = _run(2, "--steps", "20", "--checkpoint", str(checkpoint))
     uniform, first, final = _losses(out)
     assert "2 ranks" in out and final < 0.5 * first < uniform, out
+    assert re.search(r"8-bit moments for [1-9]\d* of", out), out  # the tiny model's MLP weights are quantized
 
     resumed = _run(1, "--steps", "5", "--checkpoint", str(checkpoint))
     assert f"resumed from {checkpoint}" in resumed, resumed
-    # the restored model and AdamW moments carry on where training stopped, far below a fresh start
+    # the restored model and AdamW moments (8-bit ones requantized on one rank) carry on where training stopped, far
+    # below a fresh start
     assert _losses(resumed)[1] < 0.5 * first, resumed

@@ -9,9 +9,11 @@ import optree
 import torch
 
 from fadam._base import GradientTransformation
+from fadam._dispatch import is_dtensor
 from fadam._tree import PyTree, path_str
 from fadam.combinators._masking import MaskedNode
 from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise
+from fadam.quantization._sharded import check_sharded_args, dequantize_sharded, quantize_sharded
 
 __all__ = ["QuantizedState", "quantize_state"]
 
@@ -82,7 +84,10 @@ def quantize_state(
     A state leaf is quantized when it sits in a subtree shaped like the params (Adam's ``mu``/``nu``, a momentum
     trace), is floating point (not complex), has its param's shape, and its param has at least ``min_size`` elements
     (the global count for a DTensor, so sharding never changes the choice) and is selected by ``mask``. Counts, small
-    tensors and everything else stay as they are.
+    tensors and everything else stay as they are. On DTensor params (FSDP2) each rank quantizes its own shard with
+    no communication: codes are a uint8 DTensor sharded like the param, scales are per block of the local shard
+    (8 bits and a power-of-two ``block_size`` only; see ``fadam.quantization._sharded`` for the layout, when it
+    matches one process exactly, and how checkpoints reshard it).
 
     The map of each leaf is chosen on device at every requantization, with no host sync: a leaf with no negative entry
     (Adam's ``nu``, AMSGrad's ``nu_max``) gets the unsigned dynamic map at 8 bits (twice the resolution) or the
@@ -128,7 +133,7 @@ def quantize_state(
         selected = [True] * len(param_leaves) if mask is None else _mask_leaves(mask, params)
         leaves, spec = _flatten(inner_state)
         new_leaves = []
-        for leaf, position in zip(leaves, _param_positions(inner_state, params_spec)):
+        for path, leaf, position in zip(spec.paths(), leaves, _param_positions(inner_state, params_spec)):
             param = None if position is None else param_leaves[position]
             if (
                 isinstance(leaf, torch.Tensor)
@@ -138,7 +143,11 @@ def quantize_state(
                 and param.numel() >= min_size
                 and selected[position]
             ):
-                leaf = quantize_blockwise(leaf, bits, block)
+                if is_dtensor(leaf):
+                    check_sharded_args(bits, block, f"quantized state at {path_str(path)}")
+                    leaf = quantize_sharded(leaf, bits, block)
+                else:
+                    leaf = quantize_blockwise(leaf, bits, block)
             new_leaves.append(leaf)
         return QuantizedState(spec.unflatten(new_leaves))
 
@@ -160,6 +169,15 @@ def quantize_state(
                 continue
             if not isinstance(g, torch.Tensor):
                 raise ValueError(f"updates leaf for state {path_str(paths[index])}: expected a tensor, got {g!r}")
+            if is_dtensor(leaf.codes):
+                _check_sharded(leaf, g, block, path_str(paths[index]))
+                full[index] = passed[index] = dequantize_sharded(leaf, bits, block)
+                continue
+            if is_dtensor(g):
+                raise ValueError(
+                    f"quantized state at {path_str(paths[index])} was made for a plain param, but its update is a "
+                    f"DTensor {tuple(g.shape)} {g.placements}"
+                )
             sizes = (leaf.codes.shape[-1], leaf.absmax.shape[-1]) if leaf.codes.dim() else (-1, -1)
             if sizes != expected_sizes(g.numel(), bits, block):
                 raise ValueError(
@@ -173,9 +191,30 @@ def quantize_state(
             raise ValueError("the inner transform changed the structure of its state; it cannot be quantized")
         for index, old in passed.items():
             # A leaf returned untouched keeps its codes exactly (no needless requantization).
-            new_leaves[index] = (
-                leaves[index] if new_leaves[index] is old else quantize_blockwise(new_leaves[index], bits, block)
-            )
+            new = new_leaves[index]
+            if new is old:
+                new_leaves[index] = leaves[index]
+            elif is_dtensor(new):
+                new_leaves[index] = quantize_sharded(new, bits, block)
+            else:
+                new_leaves[index] = quantize_blockwise(new, bits, block)
         return new_updates, QuantizedState(new_spec.unflatten(new_leaves))
 
     return GradientTransformation(init, update)
+
+
+def _check_sharded(leaf: QuantizedArray, g: Any, block: int, where: str) -> None:
+    """The update of a sharded quantized leaf is a DTensor laid out like its codes, with a block per scale."""
+    codes = leaf.codes
+    if not is_dtensor(g) or g.shape != codes.shape or g.placements != codes.placements:
+        layout = f"DTensor {tuple(g.shape)} {g.placements}" if is_dtensor(g) else f"plain tensor {tuple(g.shape)}"
+        raise ValueError(
+            f"quantized state at {where} is sharded as DTensor {tuple(codes.shape)} {codes.placements}, but its "
+            f"update is a {layout}"
+        )
+    local = codes.to_local().numel()
+    if leaf.absmax.shape != (-(-local // block),):
+        raise ValueError(
+            f"quantized state at {where} holds {leaf.absmax.numel()} scales for a local shard of {local} elements "
+            f"(expected {-(-local // block)} blocks of {block})"
+        )

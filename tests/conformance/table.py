@@ -31,7 +31,7 @@ class Row:
     # batteries compare such a row's params, not its state
     value_state: bool = True
     # False where FSDP2 (DTensor params) is not supported yet: state that is not elementwise in the param (factored
-    # second moments, quantized blocks, paged storage) is not created with the params' placements
+    # second moments, 4-bit codes packed two per byte, paged storage) is not created with the params' placements
     sharded: bool = True
 
     def build(self) -> fadam.GradientTransformation:

@@ -1,0 +1,84 @@
+"""Quantized state of DTensor params (FSDP2): each rank quantizes its own shard.
+
+Layout of a ``QuantizedArray`` for a DTensor state leaf ``x`` (8 bits only):
+
+- ``codes``: a uint8 DTensor with ``x``'s global shape, mesh and placements: one code per element, so the codes are
+  sharded exactly like the param and every rank holds the codes of its local shard;
+- ``absmax``: a plain float32 tensor, one scale per block of ``block_size`` elements of the *flattened local shard*
+  (the last block of a shard may be short); it differs from rank to rank;
+- ``map_id``: a plain 0-d uint8, the map chosen from the local shard's values (no collective).
+
+So quantizing never communicates, and the full-precision/quantized choice is made on the DTensor's global size. A shard
+has the same blocks as one process when the param is sharded along dim 0 and every shard starts at a multiple of
+``block_size`` elements (e.g. ``fully_shard`` of an ``(80, 64)`` weight on 2 ranks with blocks of 256): then training
+is identical to one process. Otherwise the blocks straddle other elements and results differ by the quantization
+error.
+
+``absmax`` is tied to the shard layout, so it cannot be saved as is with ``torch.distributed.checkpoint``:
+``fadam.state_to_dict`` stores such a leaf dequantized, as a float32 DTensor sharded like the param (4 bytes per
+element instead of 1, in exchange for resharding like any other state), and ``fadam.state_from_dict`` requantizes
+it into the template's layout. The checkpoint recovers ``block_size`` from a shard's size and block count, which is
+unambiguous for a power of two; other block sizes are refused on DTensor params.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fadam._dispatch import is_dtensor
+from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, quantize_blockwise
+
+__all__ = ["check_sharded_args", "dequantize_sharded", "is_sharded", "quantize_sharded", "sharded_block_size"]
+
+
+def is_sharded(node: Any) -> bool:
+    """A ``QuantizedArray`` of a DTensor state leaf (its codes are a DTensor)."""
+    return isinstance(node, QuantizedArray) and is_dtensor(node.codes)
+
+
+def check_sharded_args(bits: int, block_size: int, where: str) -> None:
+    if bits != 8:
+        raise NotImplementedError(
+            f"{where}: {bits}-bit state on DTensor params is not supported (4-bit codes pack two elements per byte, "
+            "which cannot be sharded like the param); use 8 bits, or mask this param out"
+        )
+    if block_size & (block_size - 1):
+        raise ValueError(
+            f"{where}: block_size must be a power of two on DTensor params (checkpoints recover it), got {block_size}"
+        )
+
+
+def _wrap(local: torch.Tensor, like: Any) -> Any:
+    """``local`` as the DTensor shard of a tensor shaped and placed like the DTensor ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def quantize_sharded(x: Any, bits: int, block_size: int) -> QuantizedArray:
+    """Quantizes each rank's shard of the DTensor ``x`` (see the module docstring for the layout)."""
+    local = x.to_local()
+    q = quantize_blockwise(local, bits, block_size)
+    return QuantizedArray(_wrap(q.codes.reshape(local.shape), x), q.absmax, q.map_id)
+
+
+def dequantize_sharded(q: QuantizedArray, bits: int, block_size: int) -> Any:
+    """The float32 DTensor, shaped and placed like ``q.codes``, that ``q`` encodes."""
+    codes = q.codes.to_local()
+    local = dequantize_blockwise(QuantizedArray(codes.reshape(-1), q.absmax, q.map_id), codes.shape, bits, block_size)
+    return _wrap(local, q.codes)
+
+
+def sharded_block_size(q: QuantizedArray) -> int:
+    """The (power of two) block size of a sharded ``q``, from its local element and block counts."""
+    n, blocks = q.codes.to_local().numel(), q.absmax.numel()
+    if blocks <= 1:  # one block (or none): any block size >= n splits the shard the same way
+        return max(2, 1 << max(n - 1, 0).bit_length())
+    size = 1 << (-(-n // blocks) - 1).bit_length()
+    if -(-n // size) != blocks:
+        raise ValueError(f"sharded quantized state has {n} elements in {blocks} blocks: no power-of-two block size")
+    return size
