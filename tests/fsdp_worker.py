@@ -29,7 +29,7 @@ STEPS = 3
 # (shards of 2560 = 20 blocks of 128) and the (3, 64) head (rows split 2 + 1: a 128-element block, then the ragged
 # 64-element tail, as in one process); biases and the LayerNorm keep float32 state.
 ALIGNED_BLOCKS = {"min_size": 100, "block_size": 128}
-QUANTIZED_ROWS = {"adam8bit", "adamw8bit", "sgd8bit", "lion8bit"}
+QUANTIZED_ROWS = {"adam8bit", "adamw8bit", "adam4bit", "adamw4bit", "sgd8bit", "lion8bit"}
 
 
 def _factory(row: object) -> Callable[[], fadam.GradientTransformation]:
@@ -124,11 +124,11 @@ def _full(tree: object) -> object:
 
 def dense(state: object) -> object:
     """The state with every quantized leaf dequantized (sharded ones as DTensors), for comparing values."""
-    from fadam.quantization._sharded import dequantize_sharded, is_sharded, sharded_block_size
+    from fadam.quantization._sharded import dequantize_sharded, is_sharded, sharded_bits, sharded_block_size
 
     def one(leaf: object) -> object:
         if is_sharded(leaf):
-            return dequantize_sharded(leaf, 8, sharded_block_size(leaf))
+            return dequantize_sharded(leaf, sharded_bits(leaf), sharded_block_size(leaf))
         if isinstance(leaf, fadam.QuantizedArray):
             raise AssertionError("dense() is for the worker's sharded states")
         return leaf
