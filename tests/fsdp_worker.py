@@ -166,7 +166,10 @@ def main(out: Path) -> None:
         fully_shard(model)
         tx = make()
         params = dict(model.named_parameters())
-        for leaf in optree.tree_leaves(tx.init(params), is_leaf=is_sharded, none_is_leaf=True):
+        initial = tx.init(params)
+        if isinstance(initial, fadam.PagedState):  # the storage holds local shards; the layout keeps the placements
+            initial = initial.layout
+        for leaf in optree.tree_leaves(initial, is_leaf=is_sharded, none_is_leaf=True):
             leaf = leaf.codes if is_sharded(leaf) else leaf  # quantized: the codes are sharded like the param
             if leaf is not None and leaf.dim() > 0:  # moments: DTensors sharded like their params
                 assert fadam._dispatch.is_dtensor(leaf), name
