@@ -87,7 +87,9 @@ def scale_by_factored_rms(
         u_t = g_t \Big/ \sqrt{\frac{R_t C_t}{\operatorname{mean}_i R_t}}
 
     and any other leaf the full :math:`V_t = \hat\beta_{2,t} V_{t-1} + (1-\hat\beta_{2,t}) G_t`,
-    :math:`u_t = g_t/\sqrt{V_t}`. Complex leaves use :math:`|g|^2` and keep real statistics.
+    :math:`u_t = g_t/\sqrt{V_t}`. Complex leaves use :math:`|g|^2` and keep real statistics. On DTensor params the
+    statistics are DTensors on the param's mesh: sharded like the dims they keep, replicated where a sharded dim was
+    reduced (its mean is a sum across ranks, divided by the global size).
 
     Args:
         factored: factor the second moment of matrices (else keep it in full).
