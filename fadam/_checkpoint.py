@@ -20,7 +20,13 @@ import torch
 
 from fadam._dispatch import is_dtensor
 from fadam._tree import PyTree, path_str
-from fadam.quantization._sharded import dequantize_sharded, is_sharded, quantize_sharded, sharded_block_size
+from fadam.quantization._sharded import (
+    dequantize_sharded,
+    is_sharded,
+    quantize_sharded,
+    sharded_bits,
+    sharded_block_size,
+)
 
 __all__ = ["state_from_dict", "state_to_dict"]
 
@@ -60,7 +66,9 @@ def state_to_dict(state: PyTree) -> dict[str, Any]:
                 raise ValueError(f"state path {path_str(path)} collides with another leaf after converting keys to str")
         if str(path[-1]) in node:
             raise ValueError(f"state path {path_str(path)} collides with another entry after converting keys to str")
-        node[str(path[-1])] = dequantize_sharded(leaf, 8, sharded_block_size(leaf)) if is_sharded(leaf) else leaf
+        node[str(path[-1])] = (
+            dequantize_sharded(leaf, sharded_bits(leaf), sharded_block_size(leaf)) if is_sharded(leaf) else leaf
+        )
     return out
 
 
@@ -117,7 +125,7 @@ def _requantized(path: tuple[Any, ...], value: Any, like: Any) -> Any:
         value = distribute_tensor(value.to(codes.device), codes.device_mesh, codes.placements)
     elif (value.device_mesh, value.placements) != (codes.device_mesh, codes.placements):
         value = value.redistribute(codes.device_mesh, codes.placements)
-    return quantize_sharded(value, 8, sharded_block_size(like))
+    return quantize_sharded(value, sharded_bits(like), sharded_block_size(like))
 
 
 def _checked_leaf(path: tuple[Any, ...], value: Any, like: Any) -> Any:

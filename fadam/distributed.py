@@ -63,14 +63,16 @@ DCP loads into the template's tensors, so their shapes and placements (not the c
 the loaded state; step counts are saved once, as replicated plain tensors. Loading in a single process without a
 process group works as is (DCP warns that it assumes one process).
 
-Quantized state (``fadam.adamw8bit`` and other 8-bit ``quantize_state`` transforms) works on DTensor params: each rank
-quantizes its own shard, its codes sharded like the param and one scale per block of the local shard (see
-``fadam.quantization._sharded``). Those scales belong to one shard layout, so ``state_to_dict`` saves such a leaf
-dequantized, as a float32 DTensor sharded like the param (a checkpoint 4x the size of the codes, resharded by DCP like
-any other state), and ``state_from_dict`` requantizes it in the blocks of the template's layout: exactly the saved
-codes when the blocks are the same, one more 8-bit rounding otherwise. The template must then be sharded too (FSDP
-over any number of ranks, one included): a plain single-process template asks for the codes, which such a checkpoint
-does not hold (DCP raises ``Missing key ... codes``). 4-bit state is not supported on DTensor params.
+Quantized state (``fadam.adamw8bit``, ``fadam.adamw4bit`` and other ``quantize_state`` transforms) works on DTensor
+params: each rank quantizes its own shard, its codes sharded like the param and one scale per block of the local shard
+(see ``fadam.quantization._sharded``). 4-bit codes are kept one per byte there (two per byte cannot be sharded like the
+param), so 4-bit state of sharded params takes about 1 byte per element, as 8-bit, with 4-bit precision. Those scales
+belong to one shard layout, so ``state_to_dict`` saves such a leaf dequantized, as a float32 DTensor sharded like the
+param (a checkpoint 4x the size of 8-bit codes, resharded by DCP like any other state), and ``state_from_dict``
+requantizes it in the blocks of the template's layout: exactly the saved codes when the blocks are the same, one more
+rounding otherwise. The template must then be sharded too (FSDP over any number of ranks, one included): a plain
+single-process template asks for the codes, which such a checkpoint does not hold (DCP raises ``Missing key ...
+codes``).
 """
 
 from __future__ import annotations

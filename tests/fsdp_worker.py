@@ -29,7 +29,7 @@ STEPS = 3
 # (shards of 2560 = 20 blocks of 128) and the (3, 64) head (rows split 2 + 1: a 128-element block, then the ragged
 # 64-element tail, as in one process); biases and the LayerNorm keep float32 state.
 ALIGNED_BLOCKS = {"min_size": 100, "block_size": 128}
-QUANTIZED_ROWS = {"adam8bit", "adamw8bit", "sgd8bit", "lion8bit"}
+QUANTIZED_ROWS = {"adam8bit", "adamw8bit", "adam4bit", "adamw4bit", "sgd8bit", "lion8bit"}
 
 
 def _factory(row: object) -> Callable[[], fadam.GradientTransformation]:
@@ -56,7 +56,11 @@ UNALIGNED_CASES: dict[str, Callable[[], fadam.GradientTransformation]] = {
     "adamw8bit-unaligned": lambda: fadam.adamw8bit(1e-2, weight_decay=0.1, min_size=0),
 }
 # optimizers with a global norm: their sharded sum of squares rounds differently from one process
-GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb"}  # lamb: per-leaf norms for its trust ratio
+# lamb: per-leaf norms for its trust ratio; adafactor: row/column means over a sharded dim add the ranks' partial sums
+GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb", "adafactor"}
+# optimizers whose state reduces a param over a dim: a statistic that reduced a sharded dim (or a 1-element
+# placeholder) is replicated on the params' mesh instead of sharded like the param
+REPLICATED_STATE_CASES = {"adafactor"}
 # optimizers whose state goes through a DCP save and a load into 2 ranks and into 1 process
 DCP_CASES = ["adamw", "clip+sgd", "adamw8bit"]
 
@@ -120,11 +124,11 @@ def _full(tree: object) -> object:
 
 def dense(state: object) -> object:
     """The state with every quantized leaf dequantized (sharded ones as DTensors), for comparing values."""
-    from fadam.quantization._sharded import dequantize_sharded, is_sharded, sharded_block_size
+    from fadam.quantization._sharded import dequantize_sharded, is_sharded, sharded_bits, sharded_block_size
 
     def one(leaf: object) -> object:
         if is_sharded(leaf):
-            return dequantize_sharded(leaf, 8, sharded_block_size(leaf))
+            return dequantize_sharded(leaf, sharded_bits(leaf), sharded_block_size(leaf))
         if isinstance(leaf, fadam.QuantizedArray):
             raise AssertionError("dense() is for the worker's sharded states")
         return leaf
@@ -162,12 +166,17 @@ def main(out: Path) -> None:
         fully_shard(model)
         tx = make()
         params = dict(model.named_parameters())
-        for leaf in optree.tree_leaves(tx.init(params), is_leaf=is_sharded, none_is_leaf=True):
+        initial = tx.init(params)
+        if isinstance(initial, fadam.PagedState):  # the storage holds local shards; the layout keeps the placements
+            initial = initial.layout
+        for leaf in optree.tree_leaves(initial, is_leaf=is_sharded, none_is_leaf=True):
             leaf = leaf.codes if is_sharded(leaf) else leaf  # quantized: the codes are sharded like the param
             if leaf is not None and leaf.dim() > 0:  # moments: DTensors sharded like their params
                 assert fadam._dispatch.is_dtensor(leaf), name
                 reference = params["0.weight"]
-                assert (leaf.device_mesh, leaf.placements) == (reference.device_mesh, reference.placements), name
+                assert leaf.device_mesh == reference.device_mesh, name
+                replicated = name in REPLICATED_STATE_CASES and all(q.is_replicate() for q in leaf.placements)
+                assert leaf.placements == reference.placements or replicated, name
         params, state = train(model, tx)
         results["params"][name] = _full(params)
         # the optimizer alone on DTensors (sharded along dim 0, uneven where the size is odd), on fixed gradients

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -310,3 +311,44 @@ def test_a_donated_host_state_is_updated_in_its_own_buffers():
 def test_one_chunk_needs_params_on_one_device():
     with pytest.raises(ValueError, match="needs params on one device"):
         fadam.page_state(fadam.adam()).init([torch.zeros(2), torch.zeros(2, device="meta")])
+
+
+def test_dtensor_state_is_stored_as_local_shards_and_streams_in_as_dtensors(tmp_path: Path) -> None:
+    """On a one-rank gloo mesh (two ranks: tests/test_fsdp.py): the storage holds local shards, the layout the
+    placements, and the paged update equals the unpaged one bit for bit; a donated step writes the DTensors in place."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        params = {
+            k: distribute_tensor(torch.randn(*s, generator=g), mesh, [Shard(0)])
+            for k, s in [("w", (6, 4)), ("b", (5,))]
+        }
+        tx, plain = (
+            fadam.page_state(fadam.adamw(1e-2, amsgrad=True), per_leaf=True, chunk_bytes=64),
+            fadam.adamw(1e-2, amsgrad=True),
+        )
+        state, plain_state = tx.init(params), plain.init(params)
+        layout = [x for x in fadam._tree.tree_leaves(state.layout) if x.dim() > 0]
+        assert layout and all(x.placements == (Shard(0),) and x.to_local().device.type == "meta" for x in layout)
+        expected = params
+        for step in range(3):
+            grads = {
+                k: distribute_tensor(torch.randn(v.shape, generator=g), mesh, [Shard(0)]) for k, v in params.items()
+            }
+            updates, plain_state = plain.update(grads, plain_state, expected)
+            expected = fadam.apply_updates(expected, updates)
+            new, state = fadam.step(tx, params, grads, state, donate=step % 2 == 1)
+            if step % 2:
+                assert all(new[k] is params[k] for k in params)  # donated DTensors are written in place
+            params = new
+            for k in params:
+                assert type(params[k]).__name__ == "DTensor" and torch.equal(
+                    params[k].full_tensor(), expected[k].full_tensor()
+                ), k
+    finally:
+        dist.destroy_process_group()

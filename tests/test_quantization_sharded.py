@@ -6,8 +6,15 @@ import pytest
 import torch
 
 import fadam
-from fadam.quantization import QuantizedArray, quantize_blockwise
-from fadam.quantization._sharded import dequantize_sharded, is_sharded, quantize_sharded, sharded_block_size
+from fadam.quantization import QuantizedArray, dequantize_blockwise, quantize_blockwise
+from fadam.quantization._codec import unpack_codes
+from fadam.quantization._sharded import (
+    dequantize_sharded,
+    is_sharded,
+    quantize_sharded,
+    sharded_bits,
+    sharded_block_size,
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +88,42 @@ def test_adamw8bit_on_one_rank_dtensors_equals_plain_tensors(mesh: object) -> No
     )
 
 
-def test_four_bits_and_odd_block_sizes_are_refused_on_dtensors(mesh: object) -> None:
+def test_odd_block_sizes_are_refused_on_dtensors(mesh: object) -> None:
     params = _params(mesh)
-    with pytest.raises(NotImplementedError, match=r"state at \[1\]\['w'\]: 4-bit state on DTensor"):
-        fadam.adamw4bit(min_size=100).init(params)
     with pytest.raises(ValueError, match=r"block_size must be a power of two on DTensor params .*, got 96"):
         fadam.adamw8bit(min_size=100, block_size=96).init(params)
-    # a param under min_size keeps float32 state, whatever the bits
-    assert fadam.adamw4bit(min_size=10_000).init(params)
+
+
+def test_four_bit_shards_keep_one_code_per_byte_and_decode_like_packed_codes(mesh: object) -> None:
+    x = _shard(torch.randn(7, 9, generator=torch.Generator().manual_seed(3)), mesh)  # 63 elements: an odd count
+    q = quantize_sharded(x, 4, 16)
+    plain = quantize_blockwise(x.to_local(), 4, 16)
+    assert (q.codes.shape, q.codes.placements, q.codes.dtype) == (x.shape, x.placements, torch.uint8)
+    assert int(q.codes.to_local().max()) <= 15 and plain.codes.numel() == 32  # unpacked: 63 bytes instead of 32
+    assert sharded_bits(q) == 4 and sharded_bits(quantize_sharded(x, 8, 16)) == 8
+    assert sharded_bits(quantize_sharded(x.abs(), 4, 16)) == 4  # the non-negative 4-bit map too
+    assert torch.equal(dequantize_sharded(q, 4, 16).to_local(), dequantize_blockwise(plain, x.shape, 4, 16))
+
+
+def test_adamw4bit_on_one_rank_dtensors_equals_plain_tensors_and_reloads(mesh: object) -> None:
+    tx = fadam.adamw4bit(1e-2, amsgrad=True, min_size=100, block_size=128)
+    params = _params(mesh)
+    plain = {k: v.full_tensor() for k, v in params.items()}
+    state, plain_state = tx.init(params), tx.init(plain)
+    for seed in range(3):
+        grads = _grads(mesh, seed)
+        params, state = fadam.step(tx, params, grads, state, donate=seed % 2 == 1)
+        updates, plain_state = tx.update({k: v.full_tensor() for k, v in grads.items()}, plain_state, plain)
+        plain = fadam.apply_updates(plain, updates)
+    for key in plain:
+        assert torch.equal(params[key].full_tensor(), plain[key]), key
+    for field in ("mu", "nu", "nu_max"):
+        sharded, packed = (getattr(s[0].inner_state, field)["w"] for s in (state, plain_state))
+        assert torch.equal(sharded.codes.to_local().reshape(-1), unpack_codes(packed.codes, 4).to(torch.uint8)), field
+    restored = fadam.state_from_dict(tx.init(params), fadam.state_to_dict(state))
+    for old, new in zip(state[0].inner_state.nu.values(), restored[0].inner_state.nu.values()):
+        old, new = (x.codes if isinstance(x, QuantizedArray) else x for x in (old, new))
+        assert torch.equal(new.to_local(), old.to_local())
 
 
 def test_an_update_laid_out_unlike_the_state_is_refused(mesh: object) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch._C import _functorch
 
 from fadam._base import FusibleUpdate, GradientTransformation
-from fadam._dispatch import can_fuse, is_plain
+from fadam._dispatch import can_fuse, can_write_in_place, is_dtensor, is_plain
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._storage import (
     Commit,
@@ -37,7 +37,9 @@ class PagedState(NamedTuple):
     store_id: torch.Tensor  # 0-d int64: the disk file's random id (0 for host storage)
     path: torch.Tensor  # uint8: the disk file's path, UTF-8 (empty for host storage)
     chunks: tuple[torch.Tensor, ...]  # per chunk: int64 indices of the param leaves it covers
-    layout: tuple[PyTree, ...]  # per chunk: the inner state, every tensor leaf replaced by a meta tensor
+    # per chunk: the inner state, every tensor leaf replaced by a meta tensor (a DTensor leaf: a DTensor of the same
+    # global shape, mesh and placements whose local shard is a meta tensor; the storage holds the local shard)
+    layout: tuple[PyTree, ...]
     placement: tuple[torch.Tensor, ...]  # per chunk, per tensor leaf: 1 = lives on the params' device, 0 = on the CPU
     buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # host storage: per chunk, its two slots; disk: ()
     # host storage: int64 (2,), the commit each slot holds (-1 while written), shared by the states of one init
@@ -52,21 +54,45 @@ class _Chunk(NamedTuple):
     on_device: list[bool]  # per place
 
 
+def _local(x: Any) -> Any:
+    """The local shard of a DTensor (what the storage holds), anything else as it is."""
+    return x.to_local() if is_dtensor(x) else x
+
+
+def _meta(x: Any) -> Any:
+    """The layout leaf of a state leaf: a meta tensor like it (a DTensor keeps its mesh, placements and shape)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    local = _local(x)
+    meta = torch.empty(local.shape, dtype=local.dtype, device="meta")
+    return _placed_like(meta, x) if is_dtensor(x) else meta
+
+
+def _placed_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` as the shard of a DTensor laid out like the DTensor ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def _chunk(layout: PyTree, placement: torch.Tensor) -> _Chunk:
     meta_leaves, spec = tree_flatten(layout)
-    places, size = leaf_places(meta_leaves)
+    places, size = leaf_places([_local(x) for x in meta_leaves])
     return _Chunk(spec, meta_leaves, places, size, [bool(x) for x in placement.tolist()])
 
 
 def _describe(layout: PyTree, group: list[int]) -> dict:
     meta_leaves, spec = tree_flatten(layout)
-    places, size = leaf_places(meta_leaves)
+    places, size = leaf_places([_local(x) for x in meta_leaves])
     leaves = [[list(place.shape), str(place.dtype).removeprefix("torch.")] for place in places]
     return {"params": group, "tree": str(spec), "leaves": leaves, "size": size}
 
 
 def _tensor_bytes(tree: PyTree) -> int:
-    return sum(x.numel() * x.element_size() for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor))
+    leaves = [_local(x) for x in tree_flatten(tree)[0]]
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
 def _probe_bytes(inner: GradientTransformation, leaf: Any) -> int:
@@ -136,7 +162,8 @@ def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, stre
                     view = view.to(device, non_blocking=True)
             else:
                 view = view.to(device)
-        leaves[place.index] = view
+        meta = chunk.meta_leaves[place.index]
+        leaves[place.index] = _placed_like(view, meta) if is_dtensor(meta) else view
     return chunk.spec.unflatten(leaves)
 
 
@@ -263,6 +290,10 @@ def page_state(
     ``donate=True`` a host state is updated in its own buffers (the caller gave it up), while a disk state still goes
     to the other copy (the file must stay consistent).
 
+    **DTensor params (FSDP2).** The storage holds each rank's local shard of a DTensor state leaf, and the layout
+    keeps its mesh, placements and global shape, so a chunk streams in as DTensors laid out as ``inner`` made them;
+    each rank pages only its own shards (a disk ``path`` must then differ per rank).
+
     The storage lives outside autograd and ``torch.func``: page a state for eager training loops, not inside
     ``vmap``, ``grad`` or ``torch.compile``. One process at a time may use a state file.
 
@@ -327,14 +358,8 @@ def page_state(
             for group in groups:
                 inner_state = inner.init(chunk_params(leaves, params, group))
                 state_leaves, spec = tree_flatten(inner_state)
-                layouts.append(
-                    spec.unflatten(
-                        [
-                            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-                            for x in state_leaves
-                        ]
-                    )
-                )
+                layouts.append(spec.unflatten([_meta(x) for x in state_leaves]))
+                state_leaves = [_local(x) for x in state_leaves]  # DTensor state: the storage holds its shard
                 placements.append(
                     torch.tensor(
                         [x.device.type != "cpu" for x in state_leaves if isinstance(x, torch.Tensor)], dtype=torch.uint8
@@ -477,7 +502,7 @@ def page_state(
                     continue
                 p = param_leaves[i]
                 u = u if u.dtype == p.dtype else u.to(p.dtype)
-                if donate and is_plain(p):
+                if donate and can_write_in_place(p):  # a DTensor: its local shard is written
                     with torch.no_grad():
                         p.add_(u)
                 else:
@@ -558,12 +583,12 @@ def _pipeline(
         def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
             if session.file is not None:
                 for place in chunks[k].places:
-                    session.store(k, place, new_leaves[place.index])
+                    session.store(k, place, _local(new_leaves[place.index]))
                 written.append(None)
                 return
             if stream is None:
                 for place in chunks[k].places:
-                    view, leaf = view_leaf(buffer, place), new_leaves[place.index]
+                    view, leaf = view_leaf(buffer, place), _local(new_leaves[place.index])
                     if leaf.data_ptr() != view.data_ptr():  # not already updated in place (see ``owned``)
                         view.copy_(leaf)
                 written.append(None)
@@ -572,7 +597,7 @@ def _pipeline(
             with torch.cuda.stream(stream.d2h):
                 stream.d2h.wait_event(done)
                 for place in chunks[k].places:
-                    leaf = new_leaves[place.index]
+                    leaf = _local(new_leaves[place.index])
                     view_leaf(buffer, place).copy_(leaf, non_blocking=True)
                     if leaf.device.type == "cuda":
                         leaf.record_stream(stream.d2h)
@@ -618,6 +643,12 @@ def _checked(new_state: PyTree, chunk: _Chunk, k: int) -> list[Any]:
                 raise RuntimeError(
                     f"the inner transform returned {type(leaf).__name__} {getattr(leaf, 'dtype', '')}"
                     f"{tuple(getattr(leaf, 'shape', ()))} at {where}, its storage holds {meta.dtype}{tuple(meta.shape)}"
+                )
+            if is_dtensor(meta) and not (is_dtensor(leaf) and _local(leaf).shape == _local(meta).shape):
+                layout = f"DTensor {leaf.placements}" if is_dtensor(leaf) else "plain tensor"
+                raise RuntimeError(
+                    f"the inner transform returned a {layout} at {where}, its storage holds a shard of "
+                    f"{tuple(_local(meta).shape)} of a DTensor {meta.placements}"
                 )
         elif leaf is not meta and leaf != meta:
             raise RuntimeError(f"paged state holds tensors only; the non-tensor leaf at {where} changed")

@@ -1,12 +1,15 @@
 """Quantized state of DTensor params (FSDP2): each rank quantizes its own shard.
 
-Layout of a ``QuantizedArray`` for a DTensor state leaf ``x`` (8 bits only):
+Layout of a ``QuantizedArray`` for a DTensor state leaf ``x``:
 
 - ``codes``: a uint8 DTensor with ``x``'s global shape, mesh and placements: one code per element, so the codes are
-  sharded exactly like the param and every rank holds the codes of its local shard;
+  sharded exactly like the param and every rank holds the codes of its local shard. At 4 bits too: a byte holds one
+  4-bit code (its high nibble is 0), since two codes packed per byte cannot be sharded like the param; so 4-bit state
+  of sharded params costs about 1 byte per element, as 8-bit (its codes are packed for decoding, shard-locally);
 - ``absmax``: a plain float32 tensor, one scale per block of ``block_size`` elements of the *flattened local shard*
   (the last block of a shard may be short); it differs from rank to rank;
-- ``map_id``: a plain 0-d uint8, the map chosen from the local shard's values (no collective).
+- ``map_id``: a plain 0-d uint8, the map chosen from the local shard's values (no collective); it also tells the bits
+  (``sharded_bits``).
 
 So quantizing never communicates, and the full-precision/quantized choice is made on the DTensor's global size. A shard
 has the same blocks as one process when the param is sharded along dim 0 and every shard starts at a multiple of
@@ -28,9 +31,19 @@ from typing import Any
 import torch
 
 from fadam._dispatch import is_dtensor
-from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, quantize_blockwise
+from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, quantize_blockwise, unpack_codes
+from fadam.quantization._maps import MAP_IDS
 
-__all__ = ["check_sharded_args", "dequantize_sharded", "is_sharded", "quantize_sharded", "sharded_block_size"]
+__all__ = [
+    "check_sharded_args",
+    "dequantize_sharded",
+    "is_sharded",
+    "quantize_sharded",
+    "sharded_bits",
+    "sharded_block_size",
+]
+
+_FOUR_BIT_MAPS = (MAP_IDS["dynamic4_signed"], MAP_IDS["linear4_nonzero"])
 
 
 def is_sharded(node: Any) -> bool:
@@ -39,11 +52,6 @@ def is_sharded(node: Any) -> bool:
 
 
 def check_sharded_args(bits: int, block_size: int, where: str) -> None:
-    if bits != 8:
-        raise NotImplementedError(
-            f"{where}: {bits}-bit state on DTensor params is not supported (4-bit codes pack two elements per byte, "
-            "which cannot be sharded like the param); use 8 bits, or mask this param out"
-        )
     if block_size & (block_size - 1):
         raise ValueError(
             f"{where}: block_size must be a power of two on DTensor params (checkpoints recover it), got {block_size}"
@@ -63,14 +71,26 @@ def quantize_sharded(x: Any, bits: int, block_size: int) -> QuantizedArray:
     """Quantizes each rank's shard of the DTensor ``x`` (see the module docstring for the layout)."""
     local = x.to_local()
     q = quantize_blockwise(local, bits, block_size)
-    return QuantizedArray(_wrap(q.codes.reshape(local.shape), x), q.absmax, q.map_id)
+    codes = q.codes
+    if bits == 4:  # one code per byte, so that the codes shard like the param
+        codes = unpack_codes(codes, 4)[: local.numel()].to(torch.uint8)
+    return QuantizedArray(_wrap(codes.reshape(local.shape), x), q.absmax, q.map_id)
 
 
 def dequantize_sharded(q: QuantizedArray, bits: int, block_size: int) -> Any:
     """The float32 DTensor, shaped and placed like ``q.codes``, that ``q`` encodes."""
     codes = q.codes.to_local()
-    local = dequantize_blockwise(QuantizedArray(codes.reshape(-1), q.absmax, q.map_id), codes.shape, bits, block_size)
+    flat = codes.reshape(-1)
+    if bits == 4:  # repack the local codes two per byte (low nibble first) for the decoder
+        flat = torch.nn.functional.pad(flat, (0, flat.numel() % 2))
+        flat = flat[0::2] | (flat[1::2] << 4)
+    local = dequantize_blockwise(QuantizedArray(flat, q.absmax, q.map_id), codes.shape, bits, block_size)
     return _wrap(local, q.codes)
+
+
+def sharded_bits(q: QuantizedArray) -> int:
+    """4 or 8: the bits of a sharded ``q``, read from its map (a host sync where ``map_id`` lives on a device)."""
+    return 4 if int(q.map_id) in _FOUR_BIT_MAPS else 8
 
 
 def sharded_block_size(q: QuantizedArray) -> int:

@@ -86,8 +86,9 @@ def quantize_state(
     (the global count for a DTensor, so sharding never changes the choice) and is selected by ``mask``. Counts, small
     tensors and everything else stay as they are. On DTensor params (FSDP2) each rank quantizes its own shard with
     no communication: codes are a uint8 DTensor sharded like the param, scales are per block of the local shard
-    (8 bits and a power-of-two ``block_size`` only; see ``fadam.quantization._sharded`` for the layout, when it
-    matches one process exactly, and how checkpoints reshard it).
+    (a power-of-two ``block_size`` only; 4-bit codes are kept one per byte there, about 1 byte per element; see
+    ``fadam.quantization._sharded`` for the layout, when it matches one process exactly, and how checkpoints reshard
+    it).
 
     The map of each leaf is chosen on device at every requantization, with no host sync: a leaf with no negative entry
     (Adam's ``nu``, AMSGrad's ``nu_max``) gets the unsigned dynamic map at 8 bits (twice the resolution) or the

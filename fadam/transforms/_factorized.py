@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
+from fadam._dispatch import is_dtensor
 from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative
@@ -29,8 +30,42 @@ def _factored_dims(shape: torch.Size, factored: bool, min_dim_size_to_factor: in
     return order[-2], order[-1]
 
 
+def _dtensor_zeros(
+    p: torch.Tensor, shape: tuple[int, ...], dims: tuple[int, int] | None, part: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Zeros of ``shape`` on a DTensor param's mesh, placed by DTensor's own sharding propagation: a factored
+    statistic is the reduction of ``zeros_like(p)`` over the dropped dim (sharded like the remaining dims, replicated
+    where a sharded dim was reduced); a placeholder is replicated."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    zeros = torch.zeros_like(p, dtype=dtype)
+    if tuple(shape) == tuple(p.shape):
+        return zeros
+    if dims is None or part == "v":
+        local = torch.zeros(shape, dtype=dtype, device=p.to_local().device)
+        return DTensor.from_local(local, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+    second, largest = dims
+    stat = zeros.sum(dim=largest if part == "v_row" else second)
+    return stat.redistribute(p.device_mesh, [Replicate() if q.is_partial() else q for q in stat.placements])
+
+
 def _real_dtype(p: torch.Tensor) -> torch.dtype:
     return p.real.dtype if p.is_complex() else p.dtype
+
+
+def _mean(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """``x.mean(dim)``; on a DTensor the sum over ``dim`` divided by its global size, which DTensor reduces across
+    ranks exactly (its mean of an unevenly sharded dim would average the ranks' local means)."""
+    if is_dtensor(x):
+        return x.sum(dim=dim, keepdim=keepdim) / x.shape[dim]
+    return x.mean(dim=dim, keepdim=keepdim)
+
+
+def _placed_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A DTensor statistic with ``like``'s placements (a reduction over a sharded dim leaves it partial)."""
+    if is_dtensor(x) and x.placements != like.placements:
+        return x.redistribute(like.device_mesh, like.placements)
+    return x
 
 
 def scale_by_factored_rms(
@@ -52,7 +87,9 @@ def scale_by_factored_rms(
         u_t = g_t \Big/ \sqrt{\frac{R_t C_t}{\operatorname{mean}_i R_t}}
 
     and any other leaf the full :math:`V_t = \hat\beta_{2,t} V_{t-1} + (1-\hat\beta_{2,t}) G_t`,
-    :math:`u_t = g_t/\sqrt{V_t}`. Complex leaves use :math:`|g|^2` and keep real statistics.
+    :math:`u_t = g_t/\sqrt{V_t}`. Complex leaves use :math:`|g|^2` and keep real statistics. On DTensor params the
+    statistics are DTensors on the param's mesh: sharded like the dims they keep, replicated where a sharded dim was
+    reduced (its mean is a sum across ranks, divided by the global size).
 
     Args:
         factored: factor the second moment of matrices (else keep it in full).
@@ -91,6 +128,8 @@ def scale_by_factored_rms(
                 second, largest = dims
                 drop = {"v_row": largest, "v_col": second}.get(part)
                 shape = (1,) if drop is None else tuple(n for d, n in enumerate(p.shape) if d != drop)
+            if is_dtensor(p):
+                return _dtensor_zeros(p, shape, dims, part, dtype)
             return torch.zeros(shape, dtype=dtype, device=p.device)
 
         return FactoredState(
@@ -124,10 +163,10 @@ def scale_by_factored_rms(
             else:
                 second, largest = dims
                 decay = beta_g.to(v_row.dtype)
-                v_row = decay * v_row + (1 - decay) * grad_sqr.mean(dim=largest)
-                v_col = decay * v_col + (1 - decay) * grad_sqr.mean(dim=second)
+                v_row = _placed_like(decay * v_row + (1 - decay) * _mean(grad_sqr, largest), v_row)
+                v_col = _placed_like(decay * v_col + (1 - decay) * _mean(grad_sqr, second), v_col)
                 row_dim = second - 1 if second > largest else second  # ``second`` in v_row, whose ``largest`` is gone
-                row_factor = torch.rsqrt(v_row / v_row.mean(dim=row_dim, keepdim=True))
+                row_factor = torch.rsqrt(v_row / _mean(v_row, row_dim, keepdim=True))
                 col_factor = torch.rsqrt(v_col)
                 scale = row_factor.unsqueeze(largest) * col_factor.unsqueeze(second)
                 u = g * scale.to(g.real.dtype if g.is_complex() else g.dtype)

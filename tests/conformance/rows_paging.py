@@ -16,7 +16,6 @@ ROWS = [
         {"lr": 1e-2},
         torch.optim.Adam,
         value_state=False,
-        sharded=False,
     ),
     Row(
         "paged_adamw-disk-amsgrad",
@@ -24,6 +23,5 @@ ROWS = [
         {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.1},
         torch.optim.AdamW,
         value_state=False,
-        sharded=False,
     ),
 ]

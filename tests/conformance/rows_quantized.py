@@ -2,8 +2,8 @@
 dequantized state, so they cannot match torch.optim to float precision after step 1; tests/test_quantize_state.py
 checks them against those equations exactly (update = inner update of the dequantized state, new state = the
 quantized inner state) and tests/test_quantized_aliases.py against the full-precision aliases. ``min_size=0``
-quantizes every leaf, so the battery's small problems exercise the codecs. The 4-bit rows are not sharded: 4-bit codes
-pack two elements per byte and are not supported on DTensor params (quantize_state raises NotImplementedError)."""
+quantizes every leaf, so the battery's small problems exercise the codecs. On DTensor params the 4-bit rows keep one
+code per byte (fadam.quantization._sharded)."""
 
 import fadam
 from tests.conformance.table import Row
@@ -16,10 +16,8 @@ ROWS = [
         {"lr": 1e-2, "weight_decay": 0.1, "min_size": 0},
         reference="equations",
     ),
-    Row("adam4bit", fadam.adam4bit, {"lr": 1e-2, "min_size": 0}, reference="equations", sharded=False),
-    Row(
-        "adamw4bit", fadam.adamw4bit, {"lr": 1e-2, "amsgrad": True, "min_size": 0}, reference="equations", sharded=False
-    ),
+    Row("adam4bit", fadam.adam4bit, {"lr": 1e-2, "min_size": 0}, reference="equations"),
+    Row("adamw4bit", fadam.adamw4bit, {"lr": 1e-2, "amsgrad": True, "min_size": 0}, reference="equations"),
     Row("sgd8bit", fadam.sgd8bit, {"lr": 1e-2, "momentum": 0.9, "min_size": 0}, reference="equations"),
     Row(
         "lion8bit",
