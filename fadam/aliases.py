@@ -97,9 +97,7 @@ def adam(
         Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
     """
     _check_adam_args(lr, betas, eps, weight_decay)
-    head = [scale(-1.0)] if maximize else []
-    if _has_decay(weight_decay):
-        head.append(add_decayed_weights(weight_decay))
+    head = _head(maximize, weight_decay)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
     tx = chain(*head, adam_tx, scale_by_learning_rate(lr))
     fused = fused_adam_step(
@@ -157,10 +155,9 @@ def adamw(
         Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019.
     """
     _check_adam_args(lr, betas, eps, weight_decay)
-    head = [scale(-1.0)] if maximize else []
-    tail = [add_decoupled_weight_decay(lr, weight_decay)] if _has_decay(weight_decay) else []
+    head = _head(maximize, weight_decay, decoupled=True)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
-    tx = chain(*head, adam_tx, scale_by_learning_rate(lr), *tail)
+    tx = chain(*head, adam_tx, scale_by_learning_rate(lr), *_tail(lr, weight_decay, decoupled=True))
     fused = fused_adam_step(
         adam_index=len(head),
         lr=lr,

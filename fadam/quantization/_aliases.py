@@ -7,15 +7,14 @@ from __future__ import annotations
 import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
-from fadam.aliases import _check_adam_args, _check_lr, _has_decay
+from fadam.aliases import _check_adam_args, _check_lr, _head, _tail
 from fadam.combinators._chain import chain
 from fadam.quantization._fused import fused_quantized_adam_step
 from fadam.quantization._wrapper import DEFAULT_BLOCK_SIZE, quantize_state
 from fadam.transforms._adam import scale_by_adam
-from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._lion import scale_by_lion
 from fadam.transforms._momentum import trace
-from fadam.transforms._scaling import scale, scale_by_learning_rate
+from fadam.transforms._scaling import scale_by_learning_rate
 
 __all__ = ["adam4bit", "adam8bit", "adamw4bit", "adamw8bit", "lion8bit", "sgd8bit"]
 
@@ -33,10 +32,7 @@ def _quantized_adam(
     min_size: int,
 ) -> GradientTransformation:
     _check_adam_args(lr, betas, eps, weight_decay)
-    head = [scale(-1.0)] if maximize else []
-    if _has_decay(weight_decay) and not decoupled:
-        head.append(add_decayed_weights(weight_decay))
-    tail = [add_decoupled_weight_decay(lr, weight_decay)] if _has_decay(weight_decay) and decoupled else []
+    head, tail = _head(maximize, weight_decay, decoupled), _tail(lr, weight_decay, decoupled)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad)
     tx = chain(
         *head,
@@ -236,9 +232,7 @@ def sgd8bit(
         raise ValueError(f"sgd8bit needs a momentum > 0 (there is no state to quantize otherwise), got {momentum}")
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    head = [scale(-1.0)] if maximize else []
-    if _has_decay(weight_decay):
-        head.append(add_decayed_weights(weight_decay))
+    head = _head(maximize, weight_decay)
     momentum_tx = trace(momentum, nesterov, dampening=dampening)
     return chain(
         *head,
@@ -286,8 +280,7 @@ def lion8bit(
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    head = [scale(-1.0)] if maximize else []
-    tail = [add_decoupled_weight_decay(lr, weight_decay)] if _has_decay(weight_decay) else []
+    head, tail = _head(maximize, weight_decay, decoupled=True), _tail(lr, weight_decay, decoupled=True)
     lion_tx = scale_by_lion(betas[0], betas[1])
     return chain(
         *head,
