@@ -31,15 +31,18 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def is_plain(tensor: torch.Tensor) -> bool:
-    """A dense ``torch.Tensor`` or ``nn.Parameter`` (no other subclass, no functorch wrapper) that autograd does not
-    need to track."""
+def is_plain_type(tensor: torch.Tensor) -> bool:
+    """A dense ``torch.Tensor`` or ``nn.Parameter``: no other subclass, no functorch wrapper (autograd may track it)."""
     return (
         type(tensor) in _PLAIN_TYPES
         and tensor.layout == torch.strided
         and not _functorch.is_functorch_wrapped_tensor(tensor)
-        and not (tensor.requires_grad and torch.is_grad_enabled())
     )
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """A plain-type tensor (``is_plain_type``) that autograd does not need to track."""
+    return is_plain_type(tensor) and not (tensor.requires_grad and torch.is_grad_enabled())
 
 
 def is_dtensor(tensor: object) -> bool:

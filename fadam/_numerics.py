@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._C import _functorch
 
@@ -19,6 +21,9 @@ def zero_count() -> torch.Tensor:
 
 def safe_increment(count: torch.Tensor) -> torch.Tensor:
     """``count + 1`` that saturates at the int32 maximum instead of wrapping (optax's convention)."""
+    value = host_number(count)
+    if not isinstance(value, torch.Tensor):  # a plain CPU count: one op instead of three
+        return count + 1 if value < _INT32_MAX else count
     return torch.where(count < _INT32_MAX, count + 1, count)
 
 
@@ -58,19 +63,56 @@ def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
         >>> torch.autograd.grad(safe_sqrt(v).sum(), v)[0]
         tensor([0.0000, 0.2500])
     """
-    if _no_zero_on_cpu(x):
+    if no_zero_on_cpu(x):
         return torch.sqrt(x)
     zero = x == 0
     return torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, x)))
 
 
-def _no_zero_on_cpu(x: torch.Tensor) -> bool:
+def no_zero_on_cpu(x: torch.Tensor) -> bool:
     """Whether ``x`` is a plain CPU tensor (not traced, vmapped or compiled) whose elements are all > 0."""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or not x.numel():
         return False
     if _functorch.is_functorch_wrapped_tensor(x) or torch.compiler.is_compiling():
         return False  # data-dependent control flow is not allowed there
-    return bool(torch.amin(x.detach()) > 0)  # NaN or a negative value also take the general path
+    return torch.amin(x.detach()).item() > 0  # NaN or a negative value also take the general path
+
+
+# Tensors seen to have only positive entries: id -> (weak reference, version counter at the time). An in-place write
+# bumps the version and voids the entry; the weak reference guards against a reused id.
+_positive: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def mark_positive(x: torch.Tensor) -> None:
+    """Records that every entry of ``x`` is > 0 (the caller checked it or derived it), until ``x`` is written."""
+    key = id(x)
+    _positive[key] = (weakref.ref(x, lambda _, key=key: _positive.pop(key, None)), x._version)
+
+
+def known_positive(x: torch.Tensor) -> bool:
+    """Whether ``mark_positive(x)`` was called and ``x`` has not been written in place since."""
+    entry = _positive.get(id(x))
+    return entry is not None and entry[0]() is x and entry[1] == x._version
+
+
+def host_number(value: float | torch.Tensor | None) -> float | torch.Tensor | None:
+    """``value`` as a Python float when it is a plain 0-d CPU tensor outside autograd, ``vmap`` and compilation.
+
+    Bias corrections are computed from the step count as 0-d float64 tensors. Mixed into a param-shaped tensor they
+    round to the param's dtype exactly as the same number passed as a Python float does, but each use costs an extra
+    dtype conversion inside the op, which is a large share of a small tensor's update (meta-learning's inner loops).
+    Reading a CPU tensor is not a device sync. A traced, batched or differentiable value is returned as it is.
+    """
+    if (
+        torch.compiler.is_compiling()  # first: the tracer must not see the checks below
+        or type(value) is not torch.Tensor
+        or value.dim()
+        or value.device.type != "cpu"
+        or value.requires_grad
+        or _functorch.is_functorch_wrapped_tensor(value)
+    ):
+        return value
+    return value.item()
 
 
 def for_leaf(value: float | torch.Tensor, leaf: torch.Tensor) -> float | torch.Tensor:

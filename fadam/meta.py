@@ -124,7 +124,7 @@ class MetaOptimizer:
 
     def params(self) -> dict[str, torch.Tensor]:
         """The module's current parameters, name to tensor (each tied parameter once, under its first name)."""
-        return {name: getattr(slots[0][0], slots[0][1]) for name, slots in self._slots.items()}
+        return {name: slots[0][0]._parameters[slots[0][1]] for name, slots in self._slots.items()}
 
     def _set_params(self, params: dict[str, torch.Tensor]) -> None:
         for name, slots in self._slots.items():

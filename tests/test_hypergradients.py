@@ -249,6 +249,48 @@ def test_adam_with_eps_root_and_safe_sqrt_agree_in_value() -> None:
     assert torch.equal(plain["w"], recorded["w"].detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16, torch.complex64], ids=str)
+def test_recorded_adam_steps_equal_the_plain_ones_bit_for_bit(dtype: torch.dtype) -> None:
+    """The graph path (float bias corrections, intermediates rewritten in place, the zero check skipped once the
+    second moment is positive) computes the very numbers of the no-graph path, step after step, 0-d leaves too."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"matrix": (5, 7), "vector": (9,), "scalar": ()}
+    params = {k: torch.randn(shape, generator=gen).to(dtype) for k, shape in shapes.items()}
+    for tx in (fadam.adam(lr=0.1), fadam.adam(lr=0.1, amsgrad=True), fadam.adamw(lr=0.1, betas=(0.5, 0.4))):
+        plain_params, plain_state = params, tx.init(params)
+        recorded_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+        recorded_state = tx.init(params)
+        for step in range(4):
+            grads = {k: (torch.randn(v.shape, generator=gen) * (step % 2)).to(dtype) for k, v in params.items()}
+            updates, plain_state = tx.update(grads, plain_state, plain_params)  # the chain, not the fused kernel
+            plain_params = fadam.apply_updates(plain_params, updates)
+            recorded_grads = {k: g + 0 * recorded_params[k] for k, g in grads.items()}  # in the graph
+            updates, recorded_state = tx.update(recorded_grads, recorded_state, recorded_params)
+            recorded_params = fadam.apply_updates(recorded_params, updates)
+            for k in params:
+                assert recorded_params[k].grad_fn is not None
+                assert torch.equal(recorded_params[k].detach(), plain_params[k]), (tx, step, k)
+
+
+def test_the_skipped_zero_check_is_redone_after_the_moment_is_written_in_place() -> None:
+    """A second moment known to be zero-free is trusted only while its version is unchanged: zeroing it in place
+    makes the next recorded step check again, and the meta-gradient stays finite."""
+    from fadam._numerics import known_positive
+
+    w = torch.tensor([1.5, 0.5], dtype=F64, requires_grad=True)
+    tx = fadam.scale_by_adam()
+    state = tx.init(w)
+    _, state = tx.update(w * 2, state)  # both entries of nu > 0: nu is recorded as zero-free
+    assert known_positive(state.nu)
+    with torch.no_grad():
+        state.nu.zero_()
+    assert not known_positive(state.nu)
+    u, state = tx.update(w * torch.tensor([0.0, 1.0], dtype=F64), state)  # the first entry's v is exactly 0 again
+    (grad,) = torch.autograd.grad(u.sum(), w)
+    assert torch.isfinite(grad).all() and grad[1] != 0, grad
+    assert not known_positive(state.nu)
+
+
 def test_moment_requires_grad_puts_the_initial_moments_in_the_graph() -> None:
     params = {"w": torch.tensor([0.3, -0.7], dtype=F64)}
     for tx, moments in [

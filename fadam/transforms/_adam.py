@@ -7,8 +7,19 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._dispatch import is_plain
-from fadam._numerics import bias_correction, dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
+from fadam._dispatch import is_plain, is_plain_type
+from fadam._numerics import (
+    bias_correction,
+    dtype_for,
+    for_leaf,
+    host_number,
+    known_positive,
+    mark_positive,
+    no_zero_on_cpu,
+    safe_increment,
+    safe_sqrt,
+    zero_count,
+)
 from fadam._tree import PyTree, check_leaves, tree_map
 from fadam.transforms._validation import check_non_negative, check_unit_interval
 
@@ -106,6 +117,11 @@ def scale_by_adam(
         bc1 = bias_correction(b1, count)
         bc2_sqrt = torch.sqrt(bias_correction(b2, count))
         bc1_next = bias_correction(b1, safe_increment(count)) if nesterov else None
+        corrections = (bc1, bc2_sqrt, bc1_next)
+        # the same numbers as Python floats where that is allowed (not traced, batched or differentiable): ops mixing
+        # a param-shaped tensor with a float round alike and skip a dtype conversion. Not for 0-d leaves, which
+        # promote with 0-d float64 tensors (as they do under vmap) and must stay equal.
+        numbers = tuple(host_number(x) for x in corrections)
 
         new_updates, new_mus, new_nus, new_nu_maxes = [], [], [], []
         for g, mu, nu, nu_max in zip(grads, mus, nus, nu_maxes):
@@ -116,20 +132,28 @@ def scale_by_adam(
                 new_nu_maxes.append(nu_max)
                 continue
             out_dtype = g.dtype
-            bc1_g, bc2_sqrt_g, bc1_next_g = (for_leaf(x, g) for x in (bc1, bc2_sqrt, bc1_next))
+            bc1_g, bc2_sqrt_g, bc1_next_g = (
+                n if g.dim() and not isinstance(n, torch.Tensor) else for_leaf(x, g)
+                for x, n in zip(corrections, numbers)
+            )
             complex_leaf = g.is_complex()
             gr = torch.view_as_real(g) if complex_leaf else g
             mur = torch.view_as_real(mu) if complex_leaf else mu
             nur = torch.view_as_real(nu) if complex_leaf else nu
             mu_new = mur.lerp(_as(gr, mur.dtype), _cast(1 - b1, mur.dtype))
             g_nu = _as(gr, nur.dtype)
-            # no graph to record: intermediates this update allocated are rewritten in place (same arithmetic, fewer
-            # fresh param-sized buffers, which cost page faults on large tensors). Not for 0-d leaves: there the
-            # out-of-place ops promote with the float64 bias corrections, as they do under vmap, and must stay equal.
-            reuse = is_plain(g_nu) and is_plain(nur) and g_nu.dim() > 0 and not isinstance(b2, torch.Tensor)
+            # Fresh intermediates that no backward formula saves are rewritten in place: same arithmetic, fewer new
+            # param-sized buffers (which cost page faults on large tensors). Plain tensors only (under vmap a fresh
+            # tensor may lack its operand's batch dimension), not 0-d leaves (their out-of-place ops promote with the
+            # float64 bias corrections, as under vmap, and must stay equal). With no graph to record (``reuse``), the
+            # square root and the quotient are rewritten too.
+            fresh_in_place = (
+                is_plain_type(g_nu) and is_plain_type(nur) and g_nu.dim() > 0 and not isinstance(b2, torch.Tensor)
+            )
+            reuse = fresh_in_place and not (torch.is_grad_enabled() and (g_nu.requires_grad or nur.requires_grad))
             if isinstance(b2, torch.Tensor):  # addcmul's value must be a number; this rounds the same way
                 nu_new = torch.addcmul(nur * b2.to(nur.dtype), g_nu * (1 - b2).to(nur.dtype), g_nu)
-            elif reuse:
+            elif fresh_in_place:
                 nu_new = (nur * b2).addcmul_(g_nu, g_nu, value=1 - b2)
             else:
                 nu_new = torch.addcmul(nur * b2, g_nu, g_nu, value=1 - b2)
@@ -141,8 +165,8 @@ def scale_by_adam(
                 if reuse:
                     denom = denom_source.sqrt().div_(bc2_sqrt_g).add_(eps)  # torch.optim's order of operations
                 else:
-                    sqrt = torch.sqrt if is_plain(denom_source) else safe_sqrt  # only autograd needs the safe one
-                    denom = sqrt(denom_source) / bc2_sqrt_g + eps
+                    root = _graph_sqrt(nur, nu_new, denom_source, b2, amsgrad) / bc2_sqrt_g
+                    denom = root.add_(eps) if fresh_in_place else root + eps
             else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
                 denom = torch.sqrt(denom_source / (bc2_sqrt_g * bc2_sqrt_g) + eps_root) + eps
             if nesterov:
@@ -171,6 +195,31 @@ def scale_by_adam(
         return spec.unflatten(new_updates), ScaleByAdamState(count, mu_tree, nu_tree)
 
     return GradientTransformation(init, update)
+
+
+def _graph_sqrt(
+    nu: torch.Tensor, nu_new: torch.Tensor, source: torch.Tensor, b2: float | torch.Tensor, amsgrad: bool
+) -> torch.Tensor:
+    """``sqrt(source)``, by ``safe_sqrt`` when autograd records it, skipping the zero check where it is implied.
+
+    ``nu_new = b2 * nu + (1 - b2) * g * g`` is at least the rounded ``b2 * nu``, which is > 0 wherever ``nu`` is > 0
+    when ``b2 > 1/2`` (the product of the smallest subnormal and such a ``b2`` rounds up to it). So once a second
+    moment was seen without a zero, every later one is zero-free too and takes the plain sqrt (same values, same
+    derivatives) with no reduction over it: in an inner loop of K steps, only the first step checks.
+    """
+    if is_plain(source):  # no graph: only autograd needs the safe sqrt
+        return torch.sqrt(source)
+    inherits = (
+        not torch.compiler.is_compiling()
+        and not amsgrad
+        and not isinstance(b2, torch.Tensor)
+        and b2 > 0.5
+        and is_plain_type(nu_new)
+    )
+    if inherits and (known_positive(nu) or no_zero_on_cpu(nu_new)):
+        mark_positive(nu_new)
+        return torch.sqrt(nu_new)
+    return safe_sqrt(source)
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,8 @@ from fadam.transforms._validation import check_non_negative
 
 
 def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
+    if not isinstance(factor, torch.Tensor):  # a Python number never changes the update's dtype
+        return tree_map(lambda g: None if g is None else g * factor, updates)
     # a 0-d tensor factor (a schedule's float64 value) would promote a 0-d update: keep the update's dtype
     return tree_map(lambda g: None if g is None else (g * for_leaf(factor, g)).to(g.dtype), updates)
 

@@ -1,0 +1,55 @@
+"""fadam._numerics: the saturating step counter, host numbers and the record of zero-free tensors."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from fadam._numerics import host_number, known_positive, mark_positive, safe_increment, zero_count
+
+INT32_MAX = torch.iinfo(torch.int32).max
+
+
+def test_safe_increment_counts_and_saturates_on_every_path() -> None:
+    one = safe_increment(zero_count())
+    assert one.dtype == torch.int32 and one.device.type == "cpu" and one.dim() == 0 and int(one) == 1
+    top = torch.tensor(INT32_MAX, dtype=torch.int32)
+    assert int(safe_increment(top)) == INT32_MAX  # does not wrap to the int32 minimum
+    assert int(safe_increment(top - 1)) == INT32_MAX
+    # per-member counts under vmap take the tensor path and give the same numbers
+    counts = torch.tensor([0, INT32_MAX - 1, INT32_MAX], dtype=torch.int32)
+    stepped = torch.func.vmap(safe_increment)(counts)
+    assert stepped.dtype == torch.int32 and stepped.tolist() == [1, INT32_MAX, INT32_MAX]
+
+
+def test_host_number_reads_only_plain_cpu_scalars_outside_autograd() -> None:
+    value = torch.tensor(0.25, dtype=torch.float64)
+    assert host_number(value) == 0.25 and isinstance(host_number(value), float)
+    assert host_number(1.5) == 1.5 and host_number(None) is None
+    for kept in (
+        torch.tensor(0.5, requires_grad=True),  # would leave the graph
+        torch.tensor([0.5]),  # not 0-d
+        torch.nn.Parameter(torch.tensor(0.5), requires_grad=False),  # a subclass
+    ):
+        assert host_number(kept) is kept
+    batched = torch.func.vmap(lambda x: torch.as_tensor(isinstance(host_number(x), torch.Tensor)))(torch.ones(2))
+    assert batched.all()  # a vmapped value stays a tensor (reading it would fail)
+
+
+def test_known_positive_holds_until_an_in_place_write_or_the_tensor_dies() -> None:
+    x = torch.rand(4) + 1
+    assert not known_positive(x)
+    mark_positive(x)
+    assert known_positive(x)
+    assert not known_positive(x.clone()) and not known_positive(x.view(2, 2))  # other objects
+    x.add_(1)  # any in-place write bumps the version counter
+    assert not known_positive(x)
+    mark_positive(x)  # re-marking (after a new check) is allowed
+    assert known_positive(x)
+    from fadam import _numerics
+
+    entries = len(_numerics._positive)
+    del x
+    gc.collect()
+    assert len(_numerics._positive) == entries - 1  # the record goes with the tensor
