@@ -107,6 +107,26 @@ def scale_by_adam(
             return ScaleByAmsgradState(zero_count(), mu, nu, tree_map(lambda p: zeros(p, nu_dtype), params))
         return ScaleByAdamState(zero_count(), mu, nu)
 
+    # Bias corrections of recent plain step counts, as tensors and floats: an inner loop of K steps meets the same
+    # counts in every outer iteration, and computing them takes a dozen 0-d ops.
+    recent: dict[int, tuple[tuple, tuple]] = {}
+
+    def _corrections(count: torch.Tensor) -> tuple[tuple, tuple]:
+        key = host_number(count) if not isinstance(b1, torch.Tensor) and not isinstance(b2, torch.Tensor) else None
+        cacheable = isinstance(key, int)  # a plain count: not traced, batched or compiled
+        if cacheable and key in recent:
+            return recent[key]
+        bc1 = bias_correction(b1, count)
+        bc2_sqrt = torch.sqrt(bias_correction(b2, count))
+        bc1_next = bias_correction(b1, safe_increment(count)) if nesterov else None
+        corrections = (bc1, bc2_sqrt, bc1_next)
+        result = corrections, tuple(host_number(x) for x in corrections)
+        if cacheable:
+            if len(recent) >= 64:
+                recent.clear()
+            recent[key] = result
+        return result
+
     def update(
         updates: PyTree, state: ScaleByAdamState | ScaleByAmsgradState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByAdamState | ScaleByAmsgradState]:
@@ -114,14 +134,15 @@ def scale_by_adam(
         nus = spec.flatten_up_to(state.nu)
         nu_maxes = spec.flatten_up_to(state.nu_max) if amsgrad else [None] * len(nus)
         count = safe_increment(state.count)
-        bc1 = bias_correction(b1, count)
-        bc2_sqrt = torch.sqrt(bias_correction(b2, count))
-        bc1_next = bias_correction(b1, safe_increment(count)) if nesterov else None
-        corrections = (bc1, bc2_sqrt, bc1_next)
-        # the same numbers as Python floats where that is allowed (not traced, batched or differentiable): ops mixing
-        # a param-shaped tensor with a float round alike and skip a dtype conversion. Not for 0-d leaves, which
-        # promote with 0-d float64 tensors (as they do under vmap) and must stay equal.
-        numbers = tuple(host_number(x) for x in corrections)
+        corrections, numbers = _corrections(count)
+        # ``numbers``: the corrections as Python floats where reading them is allowed (not traced, batched or
+        # differentiable). Ops mixing a param-shaped tensor with a float round alike and skip a dtype conversion.
+        # Not for 0-d leaves, which promote with 0-d float64 tensors (as they do under vmap) and must stay equal.
+        use_numbers = not any(isinstance(n, torch.Tensor) for n in numbers)
+        # zero-free second moments stay zero-free (see _graph_sqrt)
+        positivity_inherited = (
+            not amsgrad and not isinstance(b2, torch.Tensor) and b2 > 0.5 and not torch.compiler.is_compiling()
+        )
 
         new_updates, new_mus, new_nus, new_nu_maxes = [], [], [], []
         for g, mu, nu, nu_max in zip(grads, mus, nus, nu_maxes):
@@ -132,10 +153,10 @@ def scale_by_adam(
                 new_nu_maxes.append(nu_max)
                 continue
             out_dtype = g.dtype
-            bc1_g, bc2_sqrt_g, bc1_next_g = (
-                n if g.dim() and not isinstance(n, torch.Tensor) else for_leaf(x, g)
-                for x, n in zip(corrections, numbers)
-            )
+            if use_numbers and g.dim():
+                bc1_g, bc2_sqrt_g, bc1_next_g = numbers
+            else:
+                bc1_g, bc2_sqrt_g, bc1_next_g = (for_leaf(x, g) for x in corrections)
             complex_leaf = g.is_complex()
             gr = torch.view_as_real(g) if complex_leaf else g
             mur = torch.view_as_real(mu) if complex_leaf else mu
@@ -165,7 +186,8 @@ def scale_by_adam(
                 if reuse:
                     denom = denom_source.sqrt().div_(bc2_sqrt_g).add_(eps)  # torch.optim's order of operations
                 else:
-                    root = _graph_sqrt(nur, nu_new, denom_source, b2, amsgrad) / bc2_sqrt_g
+                    root = _graph_sqrt(nur, nu_new, denom_source, positivity_inherited and fresh_in_place)
+                    root = root / bc2_sqrt_g
                     denom = root.add_(eps) if fresh_in_place else root + eps
             else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
                 denom = torch.sqrt(denom_source / (bc2_sqrt_g * bc2_sqrt_g) + eps_root) + eps
@@ -197,25 +219,17 @@ def scale_by_adam(
     return GradientTransformation(init, update)
 
 
-def _graph_sqrt(
-    nu: torch.Tensor, nu_new: torch.Tensor, source: torch.Tensor, b2: float | torch.Tensor, amsgrad: bool
-) -> torch.Tensor:
+def _graph_sqrt(nu: torch.Tensor, nu_new: torch.Tensor, source: torch.Tensor, inherits: bool) -> torch.Tensor:
     """``sqrt(source)``, by ``safe_sqrt`` when autograd records it, skipping the zero check where it is implied.
 
     ``nu_new = b2 * nu + (1 - b2) * g * g`` is at least the rounded ``b2 * nu``, which is > 0 wherever ``nu`` is > 0
     when ``b2 > 1/2`` (the product of the smallest subnormal and such a ``b2`` rounds up to it). So once a second
     moment was seen without a zero, every later one is zero-free too and takes the plain sqrt (same values, same
-    derivatives) with no reduction over it: in an inner loop of K steps, only the first step checks.
+    derivatives) with no reduction over it: in an inner loop of K steps, only the first step checks. ``inherits``
+    says that this argument holds (float ``b2 > 1/2``, ``source`` is ``nu_new``, plain tensors, not compiling).
     """
     if is_plain(source):  # no graph: only autograd needs the safe sqrt
         return torch.sqrt(source)
-    inherits = (
-        not torch.compiler.is_compiling()
-        and not amsgrad
-        and not isinstance(b2, torch.Tensor)
-        and b2 > 0.5
-        and is_plain_type(nu_new)
-    )
     if inherits and (known_positive(nu) or no_zero_on_cpu(nu_new)):
         mark_positive(nu_new)
         return torch.sqrt(nu_new)
