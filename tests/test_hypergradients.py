@@ -38,19 +38,6 @@ def _clipped_adam(max_norm: torch.Tensor, lr: torch.Tensor, betas: tuple, weight
     return fadam.chain(fadam.clip_by_global_norm(max_norm), fadam.adam(lr=lr, betas=betas, weight_decay=weight_decay))
 
 
-def _adam_b1_b2(lr: Any, b1: Any, b2: Any, weight_decay: Any, amsgrad: bool = False):
-    """``adam`` with scalar ``b1``/``b2``: ``inject_hyperparams`` keeps a tuple such as ``betas`` static."""
-    return fadam.adam(lr=lr, betas=(b1, b2), weight_decay=weight_decay, amsgrad=amsgrad)
-
-
-def _adamw_b1_b2(lr: Any, b1: Any, b2: Any, weight_decay: Any):
-    return fadam.adamw(lr=lr, betas=(b1, b2), weight_decay=weight_decay)
-
-
-def _clipped_adam_b1_b2(max_norm: Any, lr: Any, b1: Any, b2: Any, weight_decay: Any):
-    return _clipped_adam(max_norm, lr, (b1, b2), weight_decay)
-
-
 DIRECT_CASES = [
     Case("adam", fadam.adam, {"lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.1}),
     Case("adamw", fadam.adamw, {"lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.2}),
@@ -59,14 +46,15 @@ DIRECT_CASES = [
     Case("sgd-nesterov", fadam.sgd, {"lr": 0.1, "momentum": 0.8, "weight_decay": 0.1}, {"nesterov": True}),
     Case("clip-adam", _clipped_adam, {"max_norm": 0.5, "lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.1}),
 ]
-_INJECTED_HPARAMS = {"lr": 0.05, "b1": 0.8, "b2": 0.9, "weight_decay": 0.1}
+# through inject_hyperparams: the differentiated tensors are written into the state (betas as a pair of 0-d tensors)
+_INJECTED_HPARAMS = {"lr": 0.05, "betas": (0.8, 0.9), "weight_decay": 0.1}
 INJECTED_CASES = [
-    Case("inject-adam", _adam_b1_b2, _INJECTED_HPARAMS, injected=True),
-    Case("inject-adamw", _adamw_b1_b2, {**_INJECTED_HPARAMS, "weight_decay": 0.2}, injected=True),
-    Case("inject-adam-amsgrad", _adam_b1_b2, {**_INJECTED_HPARAMS, "b1": 0.7, "b2": 0.8}, {"amsgrad": True}, True),
+    Case("inject-adam", fadam.adam, _INJECTED_HPARAMS, injected=True),
+    Case("inject-adamw", fadam.adamw, {**_INJECTED_HPARAMS, "weight_decay": 0.2}, injected=True),
+    Case("inject-adam-amsgrad", fadam.adam, {**_INJECTED_HPARAMS, "betas": (0.7, 0.8)}, {"amsgrad": True}, True),
     Case("inject-sgd-momentum", fadam.sgd, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, injected=True),
     Case("inject-sgd-nesterov", fadam.sgd, {"lr": 0.1, "momentum": 0.8, "weight_decay": 0.1}, {"nesterov": True}, True),
-    Case("inject-clip-adam", _clipped_adam_b1_b2, {"max_norm": 0.5, **_INJECTED_HPARAMS}, injected=True),
+    Case("inject-clip-adam", _clipped_adam, {"max_norm": 0.5, **_INJECTED_HPARAMS}, injected=True),
 ]
 CASES = DIRECT_CASES + INJECTED_CASES
 

@@ -77,8 +77,9 @@ def test_fused_step_is_kept_and_bit_identical(config):
 def test_hyperparams_are_float64_tensors_and_flags_stay_static():
     tx = fadam.inject_hyperparams(fadam.adam)(lr=1e-3, amsgrad=True, betas=(0.9, 0.99))
     state = tx.init({"w": torch.zeros(2)})
-    assert sorted(state.hyperparams) == ["eps", "lr", "weight_decay"]  # betas (a tuple) and amsgrad (a bool) static
-    assert all(v.dtype == torch.float64 and v.shape == () for v in state.hyperparams.values())
+    assert sorted(state.hyperparams) == ["betas", "eps", "lr", "weight_decay"]  # amsgrad (a bool) stays static
+    assert all(v.dtype == torch.float64 for v in state.hyperparams.values())
+    assert state.hyperparams["betas"].tolist() == [0.9, 0.99] and state.hyperparams["lr"].shape == ()
     assert float(state.hyperparams["lr"]) == 1e-3
     assert isinstance(state.inner_state[0], fadam.ScaleByAmsgradState)
     state32 = fadam.inject_hyperparams(fadam.adam, hyperparam_dtype=torch.float32)(lr=1e-3).init({"w": torch.zeros(2)})
@@ -263,3 +264,31 @@ def test_a_float_written_over_an_int_hyperparameter_is_neither_truncated_nor_cut
     # an int written over a float hyperparameter is still cast to the float's dtype
     _, new_state = tx.update(grads, state._replace(hyperparams={**state.hyperparams, "momentum": 1}), params)
     assert new_state.hyperparams["momentum"].dtype == torch.float64
+
+
+def test_a_tuple_of_numbers_is_injected_as_one_vector():
+    """``betas`` lives in the state as a 1-d tensor; writing a tuple of tensors that require grad meta-learns both
+    betas, writing plain numbers changes them, and a wrong length is refused before any math."""
+    tx = fadam.inject_hyperparams(fadam.adam)(lr=0.1, betas=(0.9, 0.99))
+    params, grads = {"w": torch.tensor([1.0, -2.0])}, {"w": torch.tensor([0.5, 0.25])}
+    state = tx.init(params)
+    b1, b2 = torch.tensor(0.8, dtype=torch.float64, requires_grad=True), torch.tensor(0.9, requires_grad=True)
+    steps = [grads, {"w": torch.tensor([-1.0, 2.0])}]  # beta1 cancels out while the gradient stays the same
+    for g in steps:
+        updates, state = tx.update(g, state._replace(hyperparams={**state.hyperparams, "betas": (b1, b2)}), params)
+        params = fadam.apply_updates(params, updates)
+    assert state.hyperparams["betas"].dtype == torch.float64  # cast to the stored dtype, graph kept
+    d_b1, d_b2 = torch.autograd.grad(params["w"].sum(), (b1, b2))
+    assert d_b1 != 0 and d_b2 != 0
+    expected = fadam.adam(lr=0.1, betas=(0.8, 0.9))
+    plain = {"w": torch.tensor([1.0, -2.0])}
+    plain_state = expected.init(plain)
+    for g in steps:
+        updates, plain_state = expected.update(g, plain_state, plain)
+        plain = fadam.apply_updates(plain, updates)
+    torch.testing.assert_close(params["w"].detach(), plain["w"], rtol=1e-6, atol=1e-7)
+    written = state._replace(hyperparams={**state.hyperparams, "betas": (0.5, 0.6)})
+    tx.update(grads, written, params)  # plain numbers are accepted
+    for wrong in [(0.5,), torch.tensor([0.5, 0.6, 0.7]), torch.tensor(0.5)]:
+        with pytest.raises(ValueError, match="hyperparams\\['betas'\\] must hold 2 values"):
+            tx.update(grads, state._replace(hyperparams={**state.hyperparams, "betas": wrong}), params)

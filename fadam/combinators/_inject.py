@@ -24,13 +24,30 @@ class InjectHyperparamsState(NamedTuple):
 
 
 class _Numeric(NamedTuple):
-    """A constant numeric hyperparameter: the dtype it is stored in, and whether the user gave a Python number."""
+    """A constant numeric hyperparameter: the dtype it is stored in, whether the user gave Python numbers, and for a
+    tuple of numbers (``betas``) its length: it is stored as a 1-d tensor and handed to the factory as a tuple."""
 
     dtype: torch.dtype
     python_number: bool
+    length: int | None = None
 
 
-def _to_factory(value: torch.Tensor, python_number: bool) -> float | int | torch.Tensor:
+def _is_number_tuple(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) > 0
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+    )
+
+
+def _to_factory(value: torch.Tensor, numeric: _Numeric) -> float | int | torch.Tensor | tuple:
+    """``_scalar_to_factory`` of each entry of a tuple hyperparameter, or of a scalar one."""
+    if numeric.length is None:
+        return _scalar_to_factory(value, numeric.python_number)
+    return tuple(_scalar_to_factory(x, numeric.python_number) for x in value.unbind())
+
+
+def _scalar_to_factory(value: torch.Tensor, python_number: bool) -> float | int | torch.Tensor:
     """The value handed to the factory for a stored hyperparameter.
 
     A hyperparameter the user gave as a Python number goes back to the factory as the Python number its tensor holds
@@ -69,15 +86,17 @@ def inject_hyperparams(
       argument is recomputed each step, so overwriting it has no effect);
     - meta-learning: a hyperparameter tensor that requires grad flows into the updates.
 
-    Numeric arguments are Python ``int``/``float`` and 0-d tensors; ``bool`` flags, tuples and other values are
-    static, passed through unchanged, as is every argument named in ``static_args``. Callables are schedules unless
-    named in ``static_args``. Python floats are stored in float64 (``hyperparam_dtype`` if given), ints in int64,
-    tensors as given; a value written into the state is cast to its hyperparameter's dtype, except a floating value
-    written over an int, which stays floating (never truncated). On an ordinary eager step the factory receives values
-    given as Python numbers back as Python numbers (read from their CPU tensors, no device sync), so the wrapped
-    optimizer is bit-identical to the plain one; under autograd, ``torch.func`` or ``torch.compile`` it receives the
-    tensors. ``fadam.step`` still runs the inner alias's fused kernel when it has one. A hyperparameter whose value
-    decides the structure of the factory's chain (``adam``'s ``weight_decay`` of 0 adds no decay transform) keeps that
+    Numeric arguments are Python ``int``/``float``, 0-d tensors, and tuples of Python numbers such as ``adam``'s
+    ``betas`` (stored as one 1-d tensor; write a 1-d tensor or a tuple of 0-d tensors to meta-learn them, and the
+    factory receives a tuple again); ``bool`` flags, other tuples and other values are static, passed through
+    unchanged, as is every argument named in ``static_args``. Callables are schedules unless named in
+    ``static_args``. Python floats are stored in float64 (``hyperparam_dtype`` if given), ints in int64, tensors as
+    given; a value written into the state is cast to its hyperparameter's dtype, except a floating value written
+    over an int, which stays floating (never truncated). On an ordinary eager step the factory receives values given
+    as Python numbers back as Python numbers (read from their CPU tensors, no device sync), so the wrapped optimizer
+    is bit-identical to the plain one; under autograd, ``torch.func`` or ``torch.compile`` it receives the tensors.
+    ``fadam.step`` still runs the inner alias's fused kernel when it has one. A hyperparameter whose value decides
+    the structure of the factory's chain (``adam``'s ``weight_decay`` of 0 adds no decay transform) keeps that
     structure from ``init``: change it only between values of the same kind, or name it in ``static_args`` under
     ``torch.compile``.
 
@@ -142,6 +161,10 @@ def inject_hyperparams(
             elif isinstance(value, torch.Tensor) and value.numel() == 1:
                 numerics[name] = _Numeric(value.dtype, python_number=False)
                 initial[name] = value
+            elif _is_number_tuple(value):
+                dtype = float_dtype if any(isinstance(x, float) for x in value) else torch.int64
+                numerics[name] = _Numeric(dtype, python_number=True, length=len(value))
+                initial[name] = torch.tensor(value, dtype=dtype)
             else:
                 others[name] = value
 
@@ -172,7 +195,9 @@ def inject_hyperparams(
                 if name not in state.hyperparams:
                     raise ValueError(f"state.hyperparams lacks {name!r}")
                 value = state.hyperparams[name]
-                if not isinstance(value, torch.Tensor):  # a Python number written into the state: stored as in init
+                if numeric.length is not None:
+                    value = _as_vector(name, value, numeric)
+                elif not isinstance(value, torch.Tensor):  # a Python number written into the state: stored as in init
                     value = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else float_dtype)
                 # a floating value written over an int (a meta-learned lr over ``lr=1``) keeps its dtype: casting it
                 # would truncate it and cut its gradient
@@ -180,13 +205,13 @@ def inject_hyperparams(
                 stored[name] = value if value.dtype == numeric.dtype or truncates else value.to(numeric.dtype)
             raw, stored_schedules = scheduled(state.count)
             stored.update(stored_schedules)
-            values = {name: _to_factory(stored[name], numerics[name].python_number) for name in numerics}
+            values = {name: _to_factory(stored[name], numerics[name]) for name in numerics}
             return inner_factory(**others, **values, **raw), stored
 
         def init(params: PyTree) -> InjectHyperparamsState:
             count = zero_count()
             raw, stored = scheduled(count)
-            values = {name: _to_factory(tensor, numerics[name].python_number) for name, tensor in initial.items()}
+            values = {name: _to_factory(tensor, numerics[name]) for name, tensor in initial.items()}
             inner = inner_factory(**others, **values, **raw)
             return InjectHyperparamsState(count, {**initial, **stored}, inner.init(params))
 
@@ -211,3 +236,19 @@ def inject_hyperparams(
         return GradientTransformation(init, FusibleUpdate(update, fused_step))
 
     return wrapped
+
+
+def _as_vector(name: str, value: Any, numeric: _Numeric) -> torch.Tensor:
+    """A tuple hyperparameter written into the state as a 1-d tensor, or a tuple of numbers or 0-d tensors (stacked,
+    so gradients reach each), checked for its length."""
+    if isinstance(value, (tuple, list)):
+        if all(isinstance(x, torch.Tensor) for x in value) and value:
+            value = torch.stack([x.reshape(()).to(numeric.dtype) for x in value])
+        else:
+            value = torch.tensor(value, dtype=numeric.dtype)
+    if not isinstance(value, torch.Tensor) or value.shape != (numeric.length,):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"state.hyperparams[{name!r}] must hold {numeric.length} values (a 1-d tensor or a tuple), got {shape}"
+        )
+    return value
