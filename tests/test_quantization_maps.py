@@ -61,3 +61,33 @@ def test_bad_maps():
         dynamic_map(False, 4)
     with pytest.raises(ValueError):
         linear_nonzero_map(8)
+
+
+@pytest.mark.parametrize("name", list(MAP_IDS))
+def test_static_encoder_matches_table_encoder(name):
+    # The fused kernels encode with a static map id (arithmetic guess + one midpoint read), the chain with a 0-d
+    # tensor (bfloat16-bucket table): the codes must agree on every input, above all at and around each midpoint.
+    # benchmarks/check_encoder_exhaustive.py checks every float32 in [-1, 1].
+    torch.manual_seed(0)
+    map_id = MAP_IDS[name]
+    values = code_maps()[map_id, : LENGTHS[name]]
+    edges = torch.cat([(values[:-1] + values[1:]) / 2, values, 10.0 ** -torch.arange(10.0)])
+    near = [edges]
+    for direction in (2.0, -2.0):
+        step = edges
+        for _ in range(4):  # 4 ulps each side
+            step = torch.nextafter(step, torch.tensor(direction))
+            near.append(step)
+    y = torch.cat(
+        [
+            *near,
+            torch.rand(100000) * 2 - 1,
+            torch.sign(torch.randn(100000)) * 10 ** (-12 * torch.rand(100000)),
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45, -1e-45]),
+        ]
+    ).clamp(-1.0, 1.0)
+    y = torch.cat([y, -y])
+    table = encode(y, torch.tensor(map_id, dtype=torch.uint8))
+    static = encode(y, map_id)
+    assert static.dtype == torch.int32
+    assert torch.equal(static, table), y[static != table][:5]

@@ -105,3 +105,35 @@ def test_fused_step_declines_what_it_cannot_run(eager_kernel):
     assert tx.update.fused_step({"w": params["w"].t()}, grads, tx.init(params), False) is not None
     strided = {"w": torch.randn(512, 2)[:, 0]}
     assert tx.update.fused_step(strided, grads, tx.init(strided), False) is None
+
+
+@pytest.mark.parametrize(("make", "bits"), [(fadam.adamw8bit, 8), (fadam.adam4bit, 4)])
+def test_fused_step_chunks_agree_with_one_chunk(make, bits, eager_kernel, monkeypatch):
+    # Rows run in chunks through two kernels (moments and absmax, then param and codes); chunk boundaries, a short
+    # last chunk and a ragged last block must not change a bit.
+    torch.manual_seed(0)
+    params = {"w": torch.randn(37 * 256 + 100)}
+    grads = [{"w": torch.randn_like(params["w"])} for _ in range(3)]
+    tx = make(lr=1e-2, min_size=1)
+    results = []
+    for chunk in (1 << 20, 5 * 256):  # one chunk; chunks of 5 (8-bit) or 10 (4-bit) rows, the last one shorter
+        monkeypatch.setattr(_fused, "_CHUNK", chunk)
+        p, s = params, tx.init(params)
+        for g in grads:
+            p, s = fadam.step(tx, p, g, s)
+        results.append(optree.tree_leaves((p, s)))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_compile_failure_falls_back_to_eager_once():
+    calls = []
+
+    def failing(*args):
+        calls.append("compiled")
+        raise torch._dynamo.exc.BackendCompilerFailed(failing, RuntimeError("no compiler"), None)
+
+    run = _fused._with_fallback(failing, lambda x: calls.append("eager") or x + 1)
+    with pytest.warns(UserWarning, match="running it eagerly"):
+        assert run(1) == 2
+    assert run(2) == 3  # no second attempt, no second warning
+    assert calls == ["compiled", "eager", "eager"]

@@ -49,19 +49,32 @@ def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.reshape(padded // block_size, block_size)
 
 
+def row_absmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's largest finite magnitude (0 for a row with none)."""
+    return torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=-1)
+
+
+def encode_scaled(
+    rows: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
+) -> torch.Tensor:
+    """The codes of ``rows`` for their ``row_absmax``: see ``encode_rows``."""
+    scale = torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
+    y = rows / scale
+    y = torch.where(y != y, 0.0, y.clamp(-1.0, 1.0))  # nan_to_num, in ops inductor vectorises (isnan it does not)
+    codes = encode(y, map_id, tables)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes.to(torch.uint8)
+
+
 def encode_rows(
     rows: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes each row of a float32 ``(blocks, block_size)`` tensor as one block: ``(codes, absmax)``, codes
     shaped ``(blocks, block_size)`` at 8 bits and ``(blocks, block_size // 2)`` at 4 bits. ``map_id`` is a static int
     (the fused kernels) or a 0-d tensor read on device."""
-    absmax = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=-1)
-    scale = torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
-    y = torch.nan_to_num(rows / scale, nan=0.0, posinf=1.0, neginf=-1.0).clamp(-1.0, 1.0)
-    codes = encode(y, map_id, tables)
-    if bits == 4:
-        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return codes.to(torch.uint8), absmax
+    absmax = row_absmax(rows)
+    return encode_scaled(rows, absmax, bits, map_id, tables), absmax
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

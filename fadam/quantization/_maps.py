@@ -16,16 +16,27 @@ al., 2022; Li et al., 2023):
 Encoding rounds to the nearest code. ``encode_tables`` precomputes, for every bfloat16 bit pattern (the top 16 bits
 of a float32), the nearest code of the smallest float32 with those top bits; since no map has two midpoints inside
 one such interval (checked when the tables are built), ``code = table[top16(y)] + (y > midpoint[table[...]])`` is
-the exact nearest code with two table reads and no search, which vectorises and compiles well.
+the exact nearest code with two table reads and no search. The compiled fused kernels know the map statically and
+use ``encode`` with an int ``map_id``: the magnitude's position on the map's grid is computed arithmetically (each
+decade is a linear grid, so it is ``|y| * M + K`` with the decade's constants chosen by comparisons); its floor is
+the true code or one below it, and one read of the midpoint table settles which. It gives the same codes as the table
+encoder (the constants are checked when built; benchmarks/check_encoder_exhaustive.py found no difference on any
+float32 in [-1, 1] for any map), with no bit reinterpretation and one gather instead of two: inductor's C++ backend
+emits both as scalar loops.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["MAP_IDS", "code_maps", "decode", "dynamic_map", "encode", "encode_tables", "linear_nonzero_map"]
+
+
+# Points per decade of the dynamic maps, smallest decade first; decade d of D spans (0.1, 1] * 10**(d - D + 1).
+_DECADES = {(8, False): [1, 2, 4, 8, 16, 32, 64, 128], (8, True): [2, 4, 8, 16, 32, 65], (4, True): [1, 2, 4]}
 
 
 def dynamic_map(signed: bool, bits: int = 8) -> torch.Tensor:
@@ -37,10 +48,9 @@ def dynamic_map(signed: bool, bits: int = 8) -> torch.Tensor:
         >>> m.numel(), m.min().item(), m.max().item(), bool((m == 0).any())
         (15, -1.0, 1.0, True)
     """
-    if (bits, signed) not in ((8, True), (8, False), (4, True)):
+    if (bits, signed) not in _DECADES:
         raise ValueError(f"no dynamic map for bits={bits}, signed={signed}")
-    counts = {(8, False): [1, 2, 4, 8, 16, 32, 64, 128], (8, True): [2, 4, 8, 16, 32, 65], (4, True): [1, 2, 4]}
-    decades = counts[(bits, signed)]
+    decades = _DECADES[(bits, signed)]
     magnitudes = []
     for d, count in enumerate(decades):
         scale = 10.0 ** (d - len(decades) + 1)
@@ -71,6 +81,7 @@ def linear_nonzero_map(bits: int = 4) -> torch.Tensor:
 # Map ids stored in the state (a 0-d uint8 per quantized leaf): which map decodes its codes.
 MAP_IDS = {"dynamic8_signed": 0, "dynamic8_unsigned": 1, "dynamic4_signed": 2, "linear4_nonzero": 3}
 _SIZE = 256  # codes per map slot; shorter maps are padded with their last value (those codes are never produced)
+_LENGTHS = (255, 256, 15, 16)  # codes of each map, in MAP_IDS order
 
 
 @functools.cache
@@ -103,7 +114,7 @@ def _cpu_tables() -> tuple[torch.Tensor, torch.Tensor]:
     largest = torch.where(negative, as_float(low_bits), as_float(high_bits))
     finite = torch.isfinite(smallest) & torch.isfinite(largest)
     tables, thresholds = [], []
-    for row, length in zip(maps, (255, 256, 15, 16)):
+    for row, length in zip(maps, _LENGTHS):
         values = row[:length]
         mids = (values[:-1] + values[1:]) / 2
         lo = torch.bucketize(smallest.clamp(-1, 1), mids)
@@ -136,6 +147,8 @@ Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (maps, first guesses
 
 
 def tables_on(device: torch.device | str) -> Tables:
+    if not _GRIDS:  # built here, eagerly: a compiled kernel reads them as constants and must not trace their build
+        _GRIDS.update({map_id: _grid(map_id) for map_id in MAP_IDS.values()})
     return (code_maps(device), *encode_tables(device))
 
 
@@ -154,13 +167,80 @@ def map_values(map_id: torch.Tensor, tables: Tables | None = None) -> torch.Tens
     return maps.index_select(0, map_id.reshape(1).to(torch.int64))[0]
 
 
+class _Grid(NamedTuple):
+    """A map's positive half as linear segments: ``position = |y| * M + K`` in units of codes above the sign."""
+
+    signed: bool
+    zero: int  # code of 0 (signed maps) or of the smallest value; thresholds[zero + i] is the i-th positive midpoint
+    top: int  # largest position: the number of positive midpoints
+    segments: tuple[tuple[float, float, float], ...]  # (lowest |y| of the segment, M, K), ascending
+
+
+_GRIDS: dict[int, _Grid] = {}  # filled by tables_on
+
+
+def _grid(map_id: int) -> _Grid:
+    maps, (_, thresholds) = _cpu_maps(), _cpu_tables()
+    length = _LENGTHS[map_id]
+    values = maps[map_id, :length]
+    signed = bool(values[0] < 0)
+    zero = length // 2 if signed else 0
+    top = length - 1 - zero
+    if map_id == MAP_IDS["linear4_nonzero"]:
+        segments = ((0.0, float(2**4), -1.0),)  # value (i + 1) / 16 is code i
+    else:
+        segments, base = [], 0
+        decades = _DECADES[(8 if length > 16 else 4, signed)]
+        for d, count in enumerate(decades):  # value number j of decade d (j = 1..count) has position base + j
+            scale = 10.0 ** (d - len(decades) + 1)
+            segments.append((0.0 if d == 0 else 0.1 * scale, count / (0.9 * scale), base - count / 9))
+            base += count
+        segments = tuple(segments)
+    grid = _Grid(signed, zero, top, segments)
+    # The guess floor(position) is off by at most one below, so one midpoint comparison fixes it exactly, if every
+    # positive midpoint i lies strictly inside (i, i + 1) and each segment starts near a code (continuity).
+    mids = thresholds[map_id, zero : zero + top]
+    pos = _position(mids, segments)
+    ok = bool(((pos > torch.arange(top)) & (pos < torch.arange(1, top + 1))).all())
+    for lo, m, k in segments[1:]:
+        here = torch.tensor([lo], dtype=torch.float32)
+        below = [s for s in segments if s[0] < lo][-1]
+        ok &= abs(float(_position(here, (below,)) - _position(here, ((0.0, m, k),)))) < 0.1
+    if not ok:
+        raise AssertionError("the arithmetic encoder's constants do not bracket a map's midpoints")
+    return grid
+
+
+def _position(a: torch.Tensor, segments: tuple[tuple[float, float, float], ...]) -> torch.Tensor:
+    # float32 throughout, as the compiled kernel computes it
+    m, k = segments[0][1], segments[0][2]
+    for lo, m_seg, k_seg in segments[1:]:
+        above = a >= lo
+        m, k = torch.where(above, m_seg, m), torch.where(above, k_seg, k)
+    return a * m + k
+
+
+def _encode_static(y: torch.Tensor, map_id: int, thresholds: torch.Tensor) -> torch.Tensor:
+    grid = _GRIDS[map_id]
+    a = y.abs()
+    guess = _position(a, grid.segments).clamp(0, grid.top).to(torch.int32)  # floor: the position is >= 0 here
+    mid = thresholds[map_id][grid.zero + guess]  # the midpoint above the guess (inf above the top code)
+    if not grid.signed:  # no midpoint lies below 0
+        return torch.where(y < 0, 0, guess + (a > mid).to(torch.int32))
+    # y < 0 counts the negative midpoints below y: the mirror image of the positive ones at or above |y|
+    return torch.where(
+        y < 0, grid.zero - guess - (a >= mid).to(torch.int32), grid.zero + guess + (a > mid).to(torch.int32)
+    )
+
+
 def encode(y: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
-    """Nearest int32 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: two table reads, no search."""
+    """Nearest int32 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: the number of the map's midpoints
+    below ``y``. A static int ``map_id`` computes a first guess arithmetically (one table read); a 0-d tensor one
+    reads the guess table (two reads). Both give the same codes."""
     _, guesses, thresholds = tables_on(y.device) if tables is None else tables
-    top = (y.view(torch.int32) >> 16) & 0xFFFF
     if isinstance(map_id, int):
-        guess = guesses[map_id][top].to(torch.int32)
-        return guess + (y > thresholds[map_id][guess]).to(torch.int32)
+        return _encode_static(y, map_id, thresholds)
+    top = (y.view(torch.int32) >> 16) & 0xFFFF
     row = map_id.to(torch.int32)
     guess = guesses.view(-1)[row * _SIZE * _SIZE + top].to(torch.int32)
     return guess + (y > thresholds.view(-1)[row * _SIZE + guess]).to(torch.int32)
