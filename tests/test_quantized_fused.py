@@ -1,4 +1,10 @@
-"""fadam.step on the quantized Adam aliases runs a fused (compiled) kernel; it must agree with the chain."""
+"""fadam.step and update on the quantized Adam aliases run fused (compiled) kernels; they must agree with the chain.
+
+tests/conftest.py runs the kernels eagerly except in tests marked slow (compiling costs tens of seconds on a busy
+2-core machine); benchmarks/bench_quantized.py checks the compiled kernels on every run.
+"""
+
+import warnings
 
 import optree
 import pytest
@@ -6,13 +12,6 @@ import torch
 
 import fadam
 from fadam.quantization import QuantizedArray, _fused, dequantize_blockwise
-
-
-@pytest.fixture
-def eager_kernel(monkeypatch):
-    # The same row kernel without torch.compile: compiling costs tens of seconds on a busy 2-core machine, so only
-    # the slow test below compiles; benchmarks/bench_quantized.py checks the compiled kernel on every run.
-    monkeypatch.setattr(_fused, "_kernel", lambda: _fused._rows_step_inplace)
 
 
 def dequantized_moments(state, params, bits, block):
@@ -32,28 +31,28 @@ def dequantized_moments(state, params, bits, block):
         (fadam.adam4bit, 4, {"weight_decay": 0.01, "maximize": True}),
     ],
 )
-def test_fused_step_matches_chain(make, bits, kwargs, eager_kernel):
-    check_fused_step_matches_chain(make, bits, kwargs)
+def test_fused_step_matches_chain(make, bits, kwargs, unfused):
+    check_fused_step_matches_chain(make, bits, kwargs, unfused)
 
 
 @pytest.mark.slow
-def test_compiled_fused_step_matches_chain():
-    check_fused_step_matches_chain(fadam.adamw8bit, 8, {"weight_decay": 0.1})
+def test_compiled_fused_step_matches_chain(unfused):
+    check_fused_step_matches_chain(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused)
 
 
-def check_fused_step_matches_chain(make, bits, kwargs):
+def check_fused_step_matches_chain(make, bits, kwargs, unfused):
     torch.manual_seed(0)
     block = 256 if bits == 8 else 128
     # a ragged last block (odd at 4 bits), a small full-precision leaf, a leaf that is whole blocks
     params = {"w": torch.randn(33, 31), "b": torch.randn(10), "c": torch.randn(4 * block)}
-    tx = make(lr=1e-2, min_size=100, **kwargs)
+    tx, chain = make(lr=1e-2, min_size=100, **kwargs), unfused(make, lr=1e-2, min_size=100, **kwargs)
     fused_p, fused_s = params, tx.init(params)
     chain_p, chain_s = params, tx.init(params)
     originals = [t.clone() for t in optree.tree_leaves((params, fused_s))]
     for step in range(4):
         grads = {k: torch.randn_like(v) for k, v in params.items()}
         fused_p, fused_s = fadam.step(tx, fused_p, grads, fused_s, donate=step % 2 == 1)
-        updates, chain_s = tx.update(grads, chain_s, chain_p)
+        updates, chain_s = chain.update(grads, chain_s, chain_p)
         chain_p = fadam.apply_updates(chain_p, updates)
         if step == 0:  # donate=False left the inputs alone
             assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((params, tx.init(params))), originals))
@@ -67,33 +66,37 @@ def check_fused_step_matches_chain(make, bits, kwargs):
         assert (a - b).norm() <= 0.02 * b.norm()
 
 
-def test_fused_step_bf16_params(eager_kernel):
+def test_fused_step_bf16_params(unfused):
     torch.manual_seed(0)
     params = {"w": torch.randn(40, 30).to(torch.bfloat16), "b": torch.randn(7).to(torch.bfloat16)}
-    tx = fadam.adamw8bit(lr=1e-2, min_size=100)
+    tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     fused_p, _ = fadam.step(tx, params, grads, tx.init(params))
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = chain.update(grads, tx.init(params), params)
+    fused_updates, _ = tx.update(grads, tx.init(params), params)
     for k in params:
-        assert fused_p[k].dtype == torch.bfloat16
+        assert fused_p[k].dtype == fused_updates[k].dtype == updates[k].dtype == torch.bfloat16
         torch.testing.assert_close(fused_p[k], fadam.apply_updates(params, updates)[k], rtol=0, atol=0)
+        torch.testing.assert_close(fused_updates[k], updates[k], rtol=0, atol=0)
 
 
-def test_fused_step_reads_a_state_written_by_the_chain(eager_kernel):
-    # step 1 with all-positive gradients: the chain stores m with the non-negative map; the fused step must decode it
+def test_fused_step_reads_a_state_written_by_the_chain(unfused):
+    # step 1 with all-positive gradients: the chain stores m with the non-negative map; the kernels must decode it
     params = {"w": torch.randn(1000)}
-    tx = fadam.adam8bit(lr=1e-2, min_size=1)
-    _, state = tx.update({"w": torch.rand(1000)}, tx.init(params), params)
+    tx, chain = fadam.adam8bit(lr=1e-2, min_size=1), unfused(fadam.adam8bit, lr=1e-2, min_size=1)
+    _, state = chain.update({"w": torch.rand(1000)}, tx.init(params), params)
     inner = state[0].inner_state
     assert int(inner.mu["w"].map_id) == 1
     grads = {"w": torch.randn(1000)}
     fused_p, fused_s = fadam.step(tx, params, grads, state)
-    updates, _ = tx.update(grads, state, params)
+    fused_updates, update_s = tx.update(grads, state, params)
+    updates, _ = chain.update(grads, state, params)
     torch.testing.assert_close(fused_p["w"], fadam.apply_updates(params, updates)["w"], rtol=0, atol=1e-6)
-    assert int(fused_s[0].inner_state.mu["w"].map_id) == 0
+    torch.testing.assert_close(fused_updates["w"], updates["w"], rtol=0, atol=1e-6)
+    assert int(fused_s[0].inner_state.mu["w"].map_id) == int(update_s[0].inner_state.mu["w"].map_id) == 0
 
 
-def test_fused_step_declines_what_it_cannot_run(eager_kernel):
+def test_fused_step_declines_what_it_cannot_run():
     params = {"w": torch.randn(512)}
     grads = {"w": torch.randn(512)}
     for tx in (fadam.adam8bit(amsgrad=True, min_size=1), fadam.adam8bit(weight_decay=torch.tensor(0.1), min_size=1)):
@@ -108,7 +111,7 @@ def test_fused_step_declines_what_it_cannot_run(eager_kernel):
 
 
 @pytest.mark.parametrize(("make", "bits"), [(fadam.adamw8bit, 8), (fadam.adam4bit, 4)])
-def test_fused_step_chunks_agree_with_one_chunk(make, bits, eager_kernel, monkeypatch):
+def test_fused_step_chunks_agree_with_one_chunk(make, bits, monkeypatch):
     # Rows run in chunks through two kernels (moments and absmax, then param and codes); chunk boundaries, a short
     # last chunk and a ragged last block must not change a bit.
     torch.manual_seed(0)
@@ -137,3 +140,91 @@ def test_compile_failure_falls_back_to_eager_once():
         assert run(1) == 2
     assert run(2) == 3  # no second attempt, no second warning
     assert calls == ["compiled", "eager", "eager"]
+
+
+@pytest.mark.parametrize(
+    ("make", "bits", "kwargs"),
+    [
+        (fadam.adam8bit, 8, {"weight_decay": 0.01}),
+        (fadam.adamw8bit, 8, {"weight_decay": 0.1}),
+        (fadam.adam4bit, 4, {"maximize": True}),
+        (fadam.adamw4bit, 4, {"weight_decay": 0.1}),
+    ],
+)
+def test_update_matches_chain_and_step(make, bits, kwargs, unfused, monkeypatch):
+    monkeypatch.setattr(_fused, "_CHUNK", 3 * 256)  # chunks of 3 (8-bit) or 6 (4-bit) rows, the last one shorter
+    check_update_matches_chain_and_step(make, bits, kwargs, unfused)
+
+
+@pytest.mark.slow
+def test_compiled_update_matches_chain_and_step(unfused):
+    check_update_matches_chain_and_step(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused)
+
+
+def check_update_matches_chain_and_step(make, bits, kwargs, unfused):
+    torch.manual_seed(0)
+    block = 256 if bits == 8 else 128
+    # w: 7 (8-bit) or 14 (4-bit) whole blocks and a ragged 100; a small full-precision leaf; a leaf of whole blocks
+    params = {"w": torch.randn(43, 44), "b": torch.randn(10), "c": torch.randn(4 * block)}
+    tx, chain = make(lr=1e-2, min_size=100, **kwargs), unfused(make, lr=1e-2, min_size=100, **kwargs)
+    p, s = params, tx.init(params)
+    chain_p, chain_s = params, tx.init(params)
+    for _ in range(4):
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        inputs = optree.tree_leaves((p, grads, s))
+        copies, versions = [t.clone() for t in inputs], [t._version for t in inputs]
+        step_p, step_s = fadam.step(tx, p, grads, s)
+        chain_updates, _ = chain.update(grads, s, p)
+        updates, new_s = tx.update(grads, s, p)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, copies))  # nothing passed in was written
+        assert [t._version for t in inputs] == versions
+        for k in params:  # the same inputs: the chain's update up to the kernels' rounding (see above)
+            assert updates[k].dtype == chain_updates[k].dtype
+            torch.testing.assert_close(updates[k], chain_updates[k], rtol=0, atol=1e-4)
+        p, s = fadam.apply_updates(p, updates), new_s
+        # p + u is the fused step's param bit for bit, and the states are the same
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((p, s)), optree.tree_leaves((step_p, step_s))))
+        chain_updates, chain_s = chain.update(grads, chain_s, chain_p)
+        chain_p = fadam.apply_updates(chain_p, chain_updates)
+    inner = next(x for x in s if isinstance(x, fadam.QuantizedState)).inner_state
+    assert isinstance(inner.mu["w"], QuantizedArray) and isinstance(inner.mu["c"], QuantizedArray) and inner.count == 4
+    for k in params:
+        torch.testing.assert_close(p[k], chain_p[k], rtol=0, atol=1e-4)
+    for a, b in zip(dequantized_moments(s, params, bits, block), dequantized_moments(chain_s, params, bits, block)):
+        assert (a - b).norm() <= 0.02 * b.norm()
+
+
+def test_update_falls_back_to_the_chain_for_graphs_and_vmap(unfused, monkeypatch):
+    calls = []
+    monkeypatch.setattr(_fused, "_kernel", lambda: calls.append(1) or _fused._rows_step_inplace)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "min_size": 100}
+    tx, chain = fadam.adamw8bit(**kwargs), unfused(fadam.adamw8bit, **kwargs)
+    params = {"w": torch.randn(600)}
+    state = tx.init(params)
+    g = torch.randn(600, requires_grad=True)
+    updates, _ = tx.update({"w": g}, state, params)
+    assert updates["w"].requires_grad and not calls  # a grad that needs a graph: the chain keeps it
+    assert torch.equal(updates["w"], chain.update({"w": g}, state, params)[0]["w"])
+    stacked, grads = {"w": torch.randn(3, 600)}, {"w": torch.randn(3, 600)}
+    state = torch.func.vmap(tx.init)(stacked)
+    updates, _ = torch.func.vmap(tx.update)(grads, state, stacked)
+    assert not calls
+    assert torch.equal(updates["w"], torch.func.vmap(chain.update)(grads, state, stacked)[0]["w"])
+    tx.update({"w": g.detach()}, tx.init(params), params)
+    assert calls  # plain tensors run the kernel
+
+
+def test_recompile_limit_runs_new_hyperparameters_eagerly():
+    calls = []
+
+    def full(*args):
+        calls.append("compiled")
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+    run = _fused._with_fallback(full, lambda x: calls.append("eager") or x + 1)
+    with pytest.warns(UserWarning, match="recompile_limit"):
+        assert run(1) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning
+        assert run(2) == 3
+    assert calls == ["compiled", "eager", "compiled", "eager"]  # kernels compiled before still serve their calls

@@ -4,9 +4,12 @@ use ``adamw8bit`` for decoupled decay, which is what bitsandbytes' ``Adam8bit`` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
+from fadam._tree import PyTree
 from fadam.aliases import _check_adam_args, _check_lr, _head, _tail
 from fadam.combinators._chain import chain
 from fadam.quantization._fused import fused_quantized_adam_step
@@ -42,7 +45,7 @@ def _quantized_adam(
     )
     if amsgrad:
         return tx
-    fused = fused_quantized_adam_step(
+    fused_step, fused_update = fused_quantized_adam_step(
         adam_index=len(head),
         lr=lr,
         b1=betas[0],
@@ -54,7 +57,15 @@ def _quantized_adam(
         bits=bits,
         block_size=DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size,
     )
-    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+
+    def update(
+        updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PyTree]:
+        # the compiled kernels when the tensors allow them, else the chain (which ignores extra_args too)
+        result = fused_update(updates, state, params)
+        return tx.update(updates, state, params, **extra_args) if result is None else result
+
+    return GradientTransformation(tx.init, FusibleUpdate(update, fused_step))
 
 
 def adam8bit(

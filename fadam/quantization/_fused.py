@@ -61,29 +61,24 @@ def _moments(
     return m.lerp(g_m, 1 - b1), torch.addcmul(v * b2, g_v, g_v, value=1 - b2)
 
 
-def _param(
+def _update(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: tuple[torch.Tensor, ...], config: tuple
 ) -> torch.Tensor:
-    """New param from the new moments. ``scalars`` = [lr, bc1, bc2_sqrt, decay factor]; grads have p's dtype."""
+    """The chain's final update (after the learning rate and decoupled decay) from the new moments, in p's dtype.
+    ``scalars`` = [lr, bc1, bc2_sqrt, decay factor]; grads have p's dtype."""
     eps, weight_decay, decoupled = config[2:5]
     lr, bc1, bc2_sqrt, factor = scalars[0], scalars[1], scalars[2], scalars[3]
     u = ((m / bc1) / (v.sqrt() / bc2_sqrt + eps)).to(p.dtype) * -lr
     if weight_decay and decoupled:
         u = u - (p - p * factor.to(p.dtype)).to(u.dtype)
-    return p + u.to(p.dtype)
+    return u.to(p.dtype)
 
 
-def _adam_math(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    scalars: tuple[torch.Tensor, ...],
-    config: tuple,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """New (param, m, v) in the chain's order of operations."""
-    m, v = _moments(p, g, m, v, config)
-    return _param(p, m, v, scalars, config), m, v
+def _param(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: tuple[torch.Tensor, ...], config: tuple
+) -> torch.Tensor:
+    """New param from the new moments: ``p + u``, as ``apply_updates`` adds the update."""
+    return p + _update(p, m, v, scalars, config)
 
 
 def _rows_moments(
@@ -123,8 +118,44 @@ def _rows_finish(
 ) -> None:
     """Kernel 2, in place: the new param, and the codes of m (signed map) and v (non-negative: v >= 0 by
     construction) for their new absmax."""
-    signed, unsigned = map_pair(bits)
     p.copy_(_param(p, m, v, scalars, config))
+    _store_moments(m, v, m_absmax_new, v_absmax_new, m_codes, m_absmax, v_codes, v_absmax, tables, bits)
+
+
+def _rows_update(
+    p: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_absmax_new: torch.Tensor,
+    v_absmax_new: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
+    tables: Tables,
+    config: tuple,
+    bits: int,
+    out: torch.Tensor,
+) -> None:
+    """Kernel 2 of ``update``: as ``_rows_finish``, but writes the update into ``out`` and leaves ``p`` alone."""
+    out.copy_(_update(p, m, v, scalars, config))
+    _store_moments(m, v, m_absmax_new, v_absmax_new, m_codes, m_absmax, v_codes, v_absmax, tables, bits)
+
+
+def _store_moments(
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_absmax_new: torch.Tensor,
+    v_absmax_new: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    tables: Tables,
+    bits: int,
+) -> None:
+    signed, unsigned = map_pair(bits)
     m_codes.copy_(encode_scaled(m, m_absmax_new, bits, signed, tables))
     v_codes.copy_(encode_scaled(v, v_absmax_new, bits, unsigned, tables))
     m_absmax.copy_(m_absmax_new)
@@ -148,22 +179,28 @@ def _rows_step_inplace(
     tables: Tables,
     config: tuple,
     bits: int,
-    kernels: tuple[Callable[..., Any], Callable[..., Any]] = (_rows_moments, _rows_finish),
+    out: torch.Tensor | None = None,
+    kernels: tuple[Callable[..., Any], ...] = (_rows_moments, _rows_finish, _rows_update),
 ) -> None:
-    """One step of ``(rows, block_size)`` views, in place, chunk by chunk. Two kernels per chunk rather than one: the
+    """One step of ``(rows, block_size)`` views, in place, chunk by chunk: the new param goes into ``p``, or, given
+    ``out`` (p's rows), the update goes there and ``p`` is only read. Two kernels per chunk rather than one: the
     absmax needs the whole row before any code, and one compiled kernel does that as two loops over the rows that both
     decode the codes (four of its six table reads); here the first kernel's moments are reused from the cache."""
-    moments, finish = kernels
+    moments, finish, update = kernels
     step = max(1, _CHUNK // p.shape[-1])
     for start in range(0, p.shape[0], step):
         rows = slice(start, start + step)
         m, v, m_new_absmax, v_new_absmax = moments(
             p[rows], g[rows], m_codes[rows], m_absmax[rows], m_map, v_codes[rows], v_absmax[rows], v_map, config, bits
         )
-        finish(
+        args = (
             p[rows], m, v, m_new_absmax, v_new_absmax, m_codes[rows], m_absmax[rows], v_codes[rows], v_absmax[rows],
             scalars, tables, config, bits,
         )  # fmt: skip
+        if out is None:
+            finish(*args)
+        else:
+            update(*args, out[rows])
 
 
 _compiled: list[Callable[..., Any]] = []
@@ -177,13 +214,14 @@ _COMPILE_OPTIONS = {"assert_indirect_indexing": False, "realize_reads_threshold"
 
 
 def _kernel() -> Callable[..., Any]:
-    # Two compiled functions; hyperparameters reach them as constants (a change recompiles), the lr and bias
+    # Compiled functions (the second kernel in two forms: new param in place, or the update out of place);
+    # hyperparameters reach them as constants (a change recompiles), the lr and bias
     # corrections as 0-d tensors (a change does not). The first chunk shape compiles static kernels; the second shape
     # seen recompiles once with a dynamic row count (torch's automatic dynamic shapes), which then serves all.
     if not _compiled:
         kernels = [
             _with_fallback(torch.compile(f, fullgraph=True, options=_COMPILE_OPTIONS), f)
-            for f in (_rows_moments, _rows_finish)
+            for f in (_rows_moments, _rows_finish, _rows_update)
         ]
         _compiled.append(functools.partial(_rows_step_inplace, kernels=tuple(kernels)))
     return _compiled[0]
@@ -191,8 +229,11 @@ def _kernel() -> Callable[..., Any]:
 
 def _with_fallback(compiled: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
     # A compilation fails before the kernel writes anything (e.g. no C++ compiler): that call and all later ones run
-    # the same math eagerly, so no chunk is updated twice.
+    # the same math eagerly, so no chunk is updated twice. Past dynamo's recompile limit (8 compilations of a kernel:
+    # about four sets of hyperparameters, each static then dynamic), fullgraph=True fails instead of running eagerly:
+    # the kernels already compiled keep serving their hyperparameters and a new set runs eagerly.
     chosen = [compiled]
+    warned = []
 
     def run(*args: Any) -> Any:
         try:
@@ -200,7 +241,15 @@ def _with_fallback(compiled: Callable[..., Any], eager: Callable[..., Any]) -> C
         except torch._dynamo.exc.BackendCompilerFailed as err:
             warnings.warn(f"fadam: compiling the quantized Adam step failed ({err}); running it eagerly", stacklevel=4)
             chosen[0] = eager
-            return eager(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            if not warned:
+                warned.append(True)
+                warnings.warn(
+                    "fadam: the quantized Adam kernels reached torch._dynamo.config.recompile_limit; new "
+                    "hyperparameters run eagerly",
+                    stacklevel=4,
+                )
+        return eager(*args)
 
     return run
 
@@ -223,10 +272,21 @@ def fused_quantized_adam_step(
     bits: int,
     block_size: int,
     compile: bool = True,
-) -> FusedStep:
+) -> tuple[FusedStep, Callable[..., tuple[PyTree, PyTree] | None]]:
+    """``(fused_step, fused_update)``: ``fused_step(params, grads, state, donate)`` returns ``(new_params,
+    new_state)`` and ``fused_update(grads, state, params)`` returns ``(updates, new_state)``, nothing modified, where
+    ``apply_updates(params, updates)`` is the fused step's params bit for bit. Either returns ``None`` when the inputs
+    need the chain."""
     config = (b1, b2, eps, weight_decay, decoupled, maximize)
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
+        return _run(params, grads, state, "donate" if donate else "copy")
+
+    def fused_update(grads: PyTree, state: PyTree, params: PyTree | None) -> tuple[PyTree, PyTree] | None:
+        return None if params is None else _run(params, grads, state, "update")
+
+    def _run(params: PyTree, grads: PyTree, state: PyTree, mode: str) -> tuple[PyTree, PyTree] | None:
+        # mode: "donate" writes params and state in place; "copy" writes copies; "update" returns the updates
         if isinstance(weight_decay, torch.Tensor):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
@@ -270,13 +330,15 @@ def fused_quantized_adam_step(
         with torch.no_grad():
             for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
                 if not isinstance(m, QuantizedArray):
-                    p_new, m_new, v_new = _adam_math(p, g, m, v, on_device[p.device], config)
-                    if donate:
+                    m_new, v_new = _moments(p, g, m, v, config)
+                    u = _update(p, m_new, v_new, on_device[p.device], config)
+                    p_new = u if mode == "update" else p + u
+                    if mode == "donate":
                         for target, value in ((p, p_new), (m, m_new), (v, v_new)):
                             target.copy_(value)
                         p_new, m_new, v_new = p, m, v
                 else:
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], donate)
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], mode)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
@@ -284,11 +346,14 @@ def fused_quantized_adam_step(
         new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
         return spec.unflatten(new_params), new_state
 
-    def _quantized_leaf(p, g, m, v, scalars, donate):
+    def _quantized_leaf(p, g, m, v, scalars, mode):
         device = p.device
         signed, unsigned = map_pair(bits)
-        if not donate:
-            p, m, v = p.clone(), QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
+        if mode != "donate":
+            m, v = QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
+        if mode == "copy":
+            p = p.clone()
+        out = torch.empty_like(p) if mode == "update" else None  # p is contiguous, and so is out
         rows = p.numel() // block_size
         width = block_size if bits == 8 else block_size // 2
         if rows:
@@ -298,7 +363,7 @@ def fused_quantized_adam_step(
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             args = (p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map, scalars)
             run = _kernel() if compile else _rows_step_inplace
-            run(*args, tables, config, bits)
+            run(*args, tables, config, bits, out=None if out is None else _split_rows(out, rows, block_size)[0])
         tail = p.numel() - rows * block_size
         new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
         new_v_map = torch.full_like(v.map_id, unsigned)
@@ -307,12 +372,16 @@ def fused_quantized_adam_step(
             m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
             m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)
             v_full = dequantize_blockwise(v_tail, (tail,), bits, block_size)
-            p_new, m_full, v_full = _adam_math(p_tail, g_tail, m_full, v_full, scalars, config)
-            p_tail.copy_(p_new)
+            m_full, v_full = _moments(p_tail, g_tail, m_full, v_full, config)
+            u = _update(p_tail, m_full, v_full, scalars, config)
+            if out is None:
+                p_tail.add_(u)  # as _param: p + u
+            else:
+                out.view(-1)[rows * block_size :].copy_(u)
             for old, full, map_id in ((m_tail, m_full, new_m_map), (v_tail, v_full, new_v_map)):
                 new = quantize_blockwise(full, bits, block_size, map_id=map_id)
                 old.codes.copy_(new.codes)
                 old.absmax.copy_(new.absmax)
-        return p, m._replace(map_id=new_m_map), v._replace(map_id=new_v_map)
+        return p if out is None else out, m._replace(map_id=new_m_map), v._replace(map_id=new_v_map)
 
-    return fused_step
+    return fused_step, fused_update
