@@ -210,6 +210,9 @@ def test_update_falls_back_to_the_chain_for_graphs_and_vmap(unfused, monkeypatch
     updates, _ = torch.func.vmap(tx.update)(grads, state, stacked)
     assert not calls
     assert torch.equal(updates["w"], torch.func.vmap(chain.update)(grads, state, stacked)[0]["w"])
+    with pytest.raises(ValueError, match="got a state that is not a tuple"):  # the chain's error for a wrong state
+        tx.update({"w": g.detach()}, ("wrong",), params)
+    assert not calls
     tx.update({"w": g.detach()}, tx.init(params), params)
     assert calls  # plain tensors run the kernel
 
