@@ -3,11 +3,12 @@
     python benchmarks/gpu_quantized.py          # < 90 s on one GPU; writes $OUT/quantized.txt when $OUT is set
 
 1. Correctness: 5 steps of fadam.adamw8bit / adamw4bit with ``fadam.step`` on CUDA (the compiled dequantize-update-
-   requantize kernel) against the pure chain on the CPU, from the same params and gradients.
-2. Throughput on 100M params (8 tensors of 12.5M, fp32): torch.optim.AdamW(fused=True), fadam.adamw fp32
-   (torch's fused kernel), fadam.adamw8bit and adamw4bit fused steps; ms per step (CUDA events, median), the ratio
-   torch-fused-time / ours (target >= 0.94 for 8-bit), the first-step compile time, and graphs compiled while the
-   learning rate changes every step (target 0).
+   requantize kernel) against the pure chain on the CPU, from the same params and gradients; and ``tx.update`` +
+   ``apply_updates`` on CUDA (the same kernels, out of place) against the CUDA step, which should be bit for bit.
+2. Throughput on 100M params (8 tensors of 12.5M, fp32): torch.optim.AdamW(fused=True), fadam.adamw fp32 (torch's fused
+   kernel), fadam.adamw8bit and adamw4bit fused steps, adamw8bit's update + apply_updates; ms per step (CUDA events,
+   median), the ratio torch-fused-time / ours (target >= 0.94 for 8-bit), the first-step compile time, and graphs
+   compiled while the learning rate changes every step (target 0).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import optree
 import torch
@@ -25,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fadam
-from fadam.quantization import QuantizedArray, dequantize_blockwise
+from fadam.quantization import QuantizedArray, _aliases, dequantize_blockwise
 
 LINES: list[str] = []
 
@@ -48,22 +50,40 @@ def moments(state, params, bits):
     return out
 
 
+def unfused(make, **kwargs):
+    """The alias without its kernels: the chain (``tx.update`` on plain tensors runs the kernels)."""
+    with mock.patch.object(_aliases, "fused_quantized_adam_step", lambda **_: (lambda *a: None, lambda *a: None)):
+        return make(**kwargs)
+
+
 def correctness() -> None:
-    say("## 1. correctness: CUDA fused step vs CPU chain, 5 steps")
-    say("| optimizer | max abs param diff | max rel moment diff (L2) | state on cuda |")
-    say("|---|---|---|---|")
+    say("## 1. correctness: CUDA fused step vs CPU chain, 5 steps; CUDA update + apply_updates vs CUDA step")
+    say(
+        "| optimizer | max abs param diff | max rel moment diff (L2) | state on cuda | update == step (params, state) |"
+    )
+    say("|---|---|---|---|---|")
     torch.manual_seed(0)
     params = {"w": torch.randn(1000, 1037), "b": torch.randn(1000), "c": torch.randn(4096 * 3 + 5)}
     grads = [{k: torch.randn_like(v) * 1e-2 for k, v in params.items()} for _ in range(5)]
     for name, make, bits in (("adamw8bit", fadam.adamw8bit, 8), ("adamw4bit", fadam.adamw4bit, 4)):
         tx = make(lr=1e-2)  # default weight decay: the same compiled kernels serve the throughput runs
+        chain = unfused(make, lr=1e-2)
         cpu_p, cpu_s = params, tx.init(params)
         gpu_p = {k: v.cuda() for k, v in params.items()}
         gpu_s = tx.init(gpu_p)
+        upd_p, upd_s = gpu_p, gpu_s
+        same = True
         for g in grads:
-            updates, cpu_s = tx.update(g, cpu_s, cpu_p)
+            updates, cpu_s = chain.update(g, cpu_s, cpu_p)
             cpu_p = fadam.apply_updates(cpu_p, updates)
-            gpu_p, gpu_s = fadam.step(tx, gpu_p, {k: v.cuda() for k, v in g.items()}, gpu_s, donate=True)
+            g_cuda = {k: v.cuda() for k, v in g.items()}
+            updates, upd_s = tx.update(g_cuda, upd_s, upd_p)
+            upd_p = fadam.apply_updates(upd_p, updates)
+            gpu_p, gpu_s = fadam.step(tx, gpu_p, g_cuda, gpu_s)
+            same &= all(
+                torch.equal(a, b)
+                for a, b in zip(optree.tree_leaves((upd_p, upd_s)), optree.tree_leaves((gpu_p, gpu_s)))
+            )
         torch.cuda.synchronize()
         dp = max((gpu_p[k].cpu() - cpu_p[k]).abs().max().item() for k in params)
         dm = max(
@@ -71,7 +91,7 @@ def correctness() -> None:
             for a, b in zip(moments(gpu_s, params, bits), moments(cpu_s, params, bits))
         )
         on_cuda = all(t.is_cuda for t in optree.tree_leaves(gpu_s) if t.dim() > 0)
-        say(f"| {name} | {dp:.2e} | {dm:.2e} | {on_cuda} |")
+        say(f"| {name} | {dp:.2e} | {dm:.2e} | {on_cuda} | {same} |")
 
 
 def time_steps(step, reps: int) -> float:
@@ -113,17 +133,22 @@ def throughput(reps: int = 20) -> None:
     schedule = lambda count: 1e-3 * (1 + count.to(torch.float32)) ** -0.5  # noqa: E731 - changes every step
     from torch._dynamo.utils import counters
 
-    for name, tx in (
-        ("fadam.adamw fp32 (fused)", fadam.adamw(lr=1e-3)),
-        ("fadam.adamw8bit (fused compiled)", fadam.adamw8bit(lr=schedule)),
-        ("fadam.adamw4bit (fused compiled)", fadam.adamw4bit(lr=schedule)),
+    for name, tx, pure in (
+        ("fadam.adamw fp32 (fused)", fadam.adamw(lr=1e-3), False),
+        ("fadam.adamw8bit (fused compiled)", fadam.adamw8bit(lr=schedule), False),
+        ("fadam.adamw4bit (fused compiled)", fadam.adamw4bit(lr=schedule), False),
+        ("fadam.adamw8bit (update + apply_updates)", fadam.adamw8bit(lr=schedule), True),
     ):
         box = {"p": {str(i): b.clone() for i, b in enumerate(base)}}
         box["s"] = tx.init(box["p"])
         gs = [{str(i): g for i, g in enumerate(gl)} for gl in grads]
 
-        def step(i: int, box=box, gs=gs, tx=tx) -> None:
-            box["p"], box["s"] = fadam.step(tx, box["p"], gs[i % 2], box["s"], donate=True)
+        def step(i: int, box=box, gs=gs, tx=tx, pure=pure) -> None:
+            if pure:
+                updates, box["s"] = tx.update(gs[i % 2], box["s"], box["p"])
+                box["p"] = fadam.apply_updates(box["p"], updates)
+            else:
+                box["p"], box["s"] = fadam.step(tx, box["p"], gs[i % 2], box["s"], donate=True)
 
         start = time.perf_counter()
         step(0)
