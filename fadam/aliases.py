@@ -37,6 +37,15 @@ def _check_lr(lr: ScalarOrSchedule) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
+def _check_lion_args(lr: ScalarOrSchedule, betas: tuple[float, float], weight_decay: float | torch.Tensor) -> None:
+    _check_lr(lr)
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
 def _check_adam_args(
     lr: ScalarOrSchedule,
     betas: tuple[float | torch.Tensor, float | torch.Tensor],
@@ -552,12 +561,7 @@ def lion(
     References:
         Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023.
     """
-    _check_lr(lr)
-    for index, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    _check_lion_args(lr, betas, weight_decay)
     decay = [add_decayed_weights(weight_decay)] if _has_decay(weight_decay) else []
     return chain(*_head(maximize, 0.0), scale_by_lion(betas[0], betas[1], mu_dtype), *decay, scale_by_learning_rate(lr))
 

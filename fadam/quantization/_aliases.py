@@ -10,7 +10,7 @@ import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
 from fadam._tree import PyTree
-from fadam.aliases import _check_adam_args, _check_lr, _head, _tail
+from fadam.aliases import _check_adam_args, _check_lion_args, _check_lr, _head, _tail
 from fadam.combinators._chain import chain
 from fadam.quantization._fused import fused_quantized_adam_step
 from fadam.quantization._wrapper import DEFAULT_BLOCK_SIZE, quantize_state
@@ -285,12 +285,7 @@ def lion8bit(
     References:
         Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023.
     """
-    _check_lr(lr)
-    for index, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    _check_lion_args(lr, betas, weight_decay)
     head, tail = _head(maximize, weight_decay, decoupled=True), _tail(lr, weight_decay, decoupled=True)
     lion_tx = scale_by_lion(betas[0], betas[1])
     return chain(

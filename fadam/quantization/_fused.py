@@ -76,13 +76,6 @@ def _update(
     return u.to(p.dtype)
 
 
-def _param(
-    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: tuple[torch.Tensor, ...], config: tuple
-) -> torch.Tensor:
-    """New param from the new moments: ``p + u``, as ``apply_updates`` adds the update."""
-    return p + _update(p, m, v, scalars, config)
-
-
 def _rows_moments(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -117,46 +110,16 @@ def _rows_finish(
     tables: Tables,
     config: tuple,
     bits: int,
+    out: torch.Tensor | None = None,
 ) -> None:
-    """Kernel 2, in place: the new param, and the codes of m (signed map) and v (non-negative: v >= 0 by
+    """Kernel 2, in place: the new param ``p + u`` into ``p`` (as ``apply_updates`` adds it), or, given ``out``, the
+    update ``u`` into ``out`` with ``p`` only read; and the codes of m (signed map) and v (non-negative: v >= 0 by
     construction) for their new absmax."""
-    p.copy_(_param(p, m, v, scalars, config))
-    _store_moments(m, v, m_absmax_new, v_absmax_new, m_codes, m_absmax, v_codes, v_absmax, tables, bits)
-
-
-def _rows_update(
-    p: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    m_absmax_new: torch.Tensor,
-    v_absmax_new: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    scalars: tuple[torch.Tensor, ...],
-    tables: Tables,
-    config: tuple,
-    bits: int,
-    out: torch.Tensor,
-) -> None:
-    """Kernel 2 of ``update``: as ``_rows_finish``, but writes the update into ``out`` and leaves ``p`` alone."""
-    out.copy_(_update(p, m, v, scalars, config))
-    _store_moments(m, v, m_absmax_new, v_absmax_new, m_codes, m_absmax, v_codes, v_absmax, tables, bits)
-
-
-def _store_moments(
-    m: torch.Tensor,
-    v: torch.Tensor,
-    m_absmax_new: torch.Tensor,
-    v_absmax_new: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    tables: Tables,
-    bits: int,
-) -> None:
+    u = _update(p, m, v, scalars, config)
+    if out is None:
+        p.copy_(p + u)
+    else:
+        out.copy_(u)
     signed, unsigned = map_pair(bits)
     m_codes.copy_(encode_scaled(m, m_absmax_new, bits, signed, tables))
     v_codes.copy_(encode_scaled(v, v_absmax_new, bits, unsigned, tables))
@@ -182,27 +145,23 @@ def _rows_step_inplace(
     config: tuple,
     bits: int,
     out: torch.Tensor | None = None,
-    kernels: tuple[Callable[..., Any], ...] = (_rows_moments, _rows_finish, _rows_update),
+    kernels: tuple[Callable[..., Any], ...] = (_rows_moments, _rows_finish),
 ) -> None:
     """One step of ``(rows, block_size)`` views, in place, chunk by chunk: the new param goes into ``p``, or, given
     ``out`` (p's rows), the update goes there and ``p`` is only read. Two kernels per chunk rather than one: the
     absmax needs the whole row before any code, and one compiled kernel does that as two loops over the rows that both
     decode the codes (four of its six table reads); here the first kernel's moments are reused from the cache."""
-    moments, finish, update = kernels
+    moments, finish = kernels
     step = max(1, _CHUNK // p.shape[-1])
     for start in range(0, p.shape[0], step):
         rows = slice(start, start + step)
         m, v, m_new_absmax, v_new_absmax = moments(
             p[rows], g[rows], m_codes[rows], m_absmax[rows], m_map, v_codes[rows], v_absmax[rows], v_map, config, bits
         )
-        args = (
+        finish(
             p[rows], m, v, m_new_absmax, v_new_absmax, m_codes[rows], m_absmax[rows], v_codes[rows], v_absmax[rows],
-            scalars, tables, config, bits,
+            scalars, tables, config, bits, None if out is None else out[rows],
         )  # fmt: skip
-        if out is None:
-            finish(*args)
-        else:
-            update(*args, out[rows])
 
 
 _compiled: list[Callable[..., Any]] = []
@@ -216,14 +175,14 @@ _COMPILE_OPTIONS = {"assert_indirect_indexing": False, "realize_reads_threshold"
 
 
 def _kernel() -> Callable[..., Any]:
-    # Compiled functions (the second kernel in two forms: the new param in place, or the update out of place);
+    # Compiled functions (the second kernel compiles once per form: the new param in place, or the update into out);
     # hyperparameters reach them as constants (a change recompiles), the lr and bias corrections as 0-d tensors (a
     # change does not). The first chunk shape compiles static kernels; the second shape seen recompiles once with a
     # dynamic row count (torch's automatic dynamic shapes), which then serves all.
     if not _compiled:
         kernels = [
             _with_fallback(torch.compile(f, fullgraph=True, options=_COMPILE_OPTIONS), f)
-            for f in (_rows_moments, _rows_finish, _rows_update)
+            for f in (_rows_moments, _rows_finish)
         ]
         _compiled.append(functools.partial(_rows_step_inplace, kernels=tuple(kernels)))
     return _compiled[0]
@@ -379,7 +338,7 @@ def fused_quantized_adam_step(
             m_full, v_full = _moments(p_tail, g_tail, m_full, v_full, config)
             u = _update(p_tail, m_full, v_full, scalars, config)
             if out is None:
-                p_tail.add_(u)  # as _param: p + u
+                p_tail.add_(u)  # as the kernel: p + u
             else:
                 out.view(-1)[rows * block_size :].copy_(u)
             for old, full, map_id in ((m_tail, m_full, new_m_map), (v_tail, v_full, new_v_map)):
