@@ -1,0 +1,278 @@
+// The quantized Adam step on the CPU, one pass per block: decode a block's codes, update its moments and param,
+// find the block's new absmax and encode the moments for it. Built on first use by fadam/quantization/_native.py
+// (torch.utils.cpp_extension, this file only) and called through ctypes with the pointers of contiguous tensors.
+//
+// The arithmetic is the chain's, operation by operation and in float32, so that results equal the eager kernels in
+// _fused.py bit for bit: ATen's vectorized CPU lerp, addcmul and add-with-alpha are each one fused multiply-add
+// (where the CPU has FMA), the square root is torch's own, and everything else rounds once per operation (built with
+// -ffp-contract=off). The loops are written for the compiler's vectorizer (noinline, noclone: a clone with a
+// constant argument lost it): selections are bit masks, not branches, and the absmax is an integer maximum over bit
+// patterns (non-negative floats order as their bits do); both keep IEEE results.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kSegments = 8;
+
+// A map's positive half as linear segments (fadam/quantization/_maps.py: _Grid): position = |y| * m + k, in codes
+// above `zero`; its integer part is the code below |y| or one less, and one midpoint read decides.
+struct Grid {
+  float lo[kSegments];  // lowest |y| of each segment, ascending; unused segments hold +inf
+  float m[kSegments];
+  float k[kSegments];
+  const float* mids;  // mids[i]: the midpoint above positive code i (+inf above the top code)
+  int32_t zero;       // code of 0 (signed maps) or of the smallest value
+  int32_t top;        // number of positive midpoints
+};
+
+struct Args {
+  float* p;
+  const float* g;
+  float* out;  // null: the new param goes into p; else the update goes into out and p is only read
+  uint8_t* m_codes;
+  float* m_absmax;
+  uint8_t* v_codes;
+  float* v_absmax;
+  const float* m_map;  // the 256 values of the map each moment was stored with
+  const float* v_map;
+  Grid m_grid;  // the maps the moments are written with: signed for m, non-negative for v (v >= 0)
+  Grid v_grid;
+  int64_t rows;
+  int64_t block;
+  int32_t bits;
+  int32_t maximize;
+  int32_t coupled_decay;    // weight decay added to the gradient (Adam)
+  int32_t decoupled_decay;  // weight decay applied to the param (AdamW)
+  float b1_weight;  // 1 - b1, lerp's weight
+  float b2;
+  float one_minus_b2;
+  float eps;
+  float weight_decay;
+  float lr;
+  float bc1;
+  float bc2_sqrt;
+  float factor;  // decoupled decay factor 1 - lr * weight_decay
+};
+
+// torch's CPU sqrt: MKL's vsSqrt where torch was built with MKL (its last bit differs from the IEEE square root for
+// about 1% of inputs), else the IEEE one. A weak reference: null where libtorch_cpu does not export it.
+extern "C" void vsSqrt(int n, const float* a, float* r) __attribute__((weak));
+
+void square_roots(const float* __restrict v, float* __restrict root, int64_t n) {
+  if (vsSqrt != nullptr) {
+    vsSqrt(static_cast<int>(n), v, root);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) root[i] = std::sqrt(v[i]);
+}
+
+inline float select(bool condition, float a, float b) {
+  uint32_t ia, ib;
+  std::memcpy(&ia, &a, 4);
+  std::memcpy(&ib, &b, 4);
+  const uint32_t mask = -static_cast<uint32_t>(condition);
+  const uint32_t bits = (ia & mask) | (ib & ~mask);
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return result;
+}
+
+// ATen's vectorized fused multiply-add: one rounding where the CPU has FMA, two otherwise.
+inline float multiply_add(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline int32_t finite_magnitude_bits(float x) {
+  const float magnitude = std::fabs(x);
+  const float kept = select(magnitude < INFINITY, magnitude, 0.0f);  // NaN compares false
+  int32_t bits;
+  std::memcpy(&bits, &kept, 4);
+  return bits;
+}
+
+inline float from_bits(int32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// y / scale as the codec computes it: NaN to 0, then clamped to [-1, 1].
+inline float unit(float x, float scale) {
+  float y = x / scale;
+  y = select(y < -1.0f, -1.0f, y);
+  y = select(y > 1.0f, 1.0f, y);
+  return select(y != y, 0.0f, y);
+}
+
+template <bool kSigned>
+inline int32_t encode(float y, const Grid& grid) {
+  const float a = std::fabs(y);
+  float m = grid.m[0], k = grid.k[0];
+  for (int s = 1; s < kSegments; ++s) {
+    const bool above = a >= grid.lo[s];
+    m = select(above, grid.m[s], m);
+    k = select(above, grid.k[s], k);
+  }
+  float position = a * m + k;
+  position = select(position < 0.0f, 0.0f, position);
+  position = select(position > static_cast<float>(grid.top), static_cast<float>(grid.top), position);
+  const int32_t guess = static_cast<int32_t>(position);
+  const float mid = grid.mids[guess];
+  if (!kSigned) {
+    return (guess + static_cast<int32_t>(a > mid)) & -static_cast<int32_t>(y >= 0.0f);  // no midpoint below 0
+  }
+  // y < 0 counts the negative midpoints below y: the mirror image of the positive ones at or above |y|
+  const int32_t negative = -static_cast<int32_t>(y < 0.0f);  // 0 or -1
+  const int32_t offset = guess + (static_cast<int32_t>(a > mid) | (negative & static_cast<int32_t>(a == mid)));
+  return grid.zero + ((offset ^ negative) - negative);
+}
+
+// New moments of one block into m_out, v_out, and the bit patterns of their absmax into m_max, v_max.
+template <bool kMaximize, bool kCoupled>
+__attribute__((noinline, noclone)) void moments_row(const Args& a, const float* __restrict p,
+                                                    const float* __restrict g, const uint8_t* __restrict m_codes,
+                                                    const uint8_t* __restrict v_codes, float m_scale, float v_scale,
+                                                    float* __restrict m_out, float* __restrict v_out, int32_t* m_max,
+                                                    int32_t* v_max) {
+  const float* __restrict m_map = a.m_map;
+  const float* __restrict v_map = a.v_map;
+  const float b2 = a.b2, one_minus_b2 = a.one_minus_b2, decay = a.weight_decay;
+  // ATen's lerp: start + w * (end - start) for |w| < 0.5, else end + (w - 1) * (end - start), one rounding each
+  const bool small_weight = std::fabs(a.b1_weight) < 0.5f;
+  const float coefficient = small_weight ? a.b1_weight : a.b1_weight - 1.0f;
+  int32_t m_top = 0, v_top = 0;
+  const int64_t n = a.block;
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = m_map[m_codes[i]] * m_scale;
+    const float v = v_map[v_codes[i]] * v_scale;
+    float grad = kMaximize ? -g[i] : g[i];
+    if (kCoupled) grad = multiply_add(p[i], decay, grad);  // torch.add(g, p, alpha=decay)
+    const float m_new = multiply_add(coefficient, grad - m, select(small_weight, m, grad));
+    const float v_new = multiply_add(one_minus_b2 * grad, grad, v * b2);  // addcmul(v * b2, g, g, value)
+    m_out[i] = m_new;
+    v_out[i] = v_new;
+    const int32_t mb = finite_magnitude_bits(m_new), vb = finite_magnitude_bits(v_new);
+    m_top = mb > m_top ? mb : m_top;
+    v_top = vb > v_top ? vb : v_top;
+  }
+  *m_max = m_top;
+  *v_max = v_top;
+}
+
+// The param (or update) of one block and the codes of its new moments for their new absmax.
+template <bool kDecoupled, bool kToOut>
+__attribute__((noinline, noclone)) void finish_row(const Args& a, float* __restrict p, float* __restrict out,
+                                                   const float* __restrict m, const float* __restrict v,
+                                                   const float* __restrict root, float m_scale, float v_scale,
+                                                   uint8_t* __restrict m_codes, uint8_t* __restrict v_codes) {
+  const Grid m_grid = a.m_grid, v_grid = a.v_grid;
+  const float bc1 = a.bc1, bc2_sqrt = a.bc2_sqrt, eps = a.eps, negative_lr = -a.lr, factor = a.factor;
+  const int64_t n = a.block;  // a local: the code stores (uint8_t) may alias any field of `a`
+  for (int64_t i = 0; i < n; ++i) {
+    const float m_new = m[i], v_new = v[i];
+    float u = ((m_new / bc1) / (root[i] / bc2_sqrt + eps)) * negative_lr;
+    const float param = p[i];
+    if (kDecoupled) u = u - (param - param * factor);
+    if (kToOut) {
+      out[i] = u;
+    } else {
+      p[i] = param + u;
+    }
+    m_codes[i] = static_cast<uint8_t>(encode<true>(unit(m_new, m_scale), m_grid));
+    v_codes[i] = static_cast<uint8_t>(encode<false>(unit(v_new, v_scale), v_grid));
+  }
+}
+
+// Rows whose square roots are taken in one call (about 4096 elements): the call costs more than a row's work.
+constexpr int64_t kGroupElements = 4096;
+
+template <bool kMaximize, bool kCoupled, bool kDecoupled, bool kToOut>
+void run(const Args& a) {
+  const int64_t block = a.block, code_width = a.bits == 8 ? block : block / 2;
+  const int64_t group = std::max<int64_t>(1, kGroupElements / block);
+  at::parallel_for(0, a.rows, group, [&](int64_t begin, int64_t end) {
+    const int64_t size = group * block;
+    std::vector<float> m(size), v(size), root(size), m_absmax(group), v_absmax(group);
+    std::vector<uint8_t> m_codes(a.bits == 8 ? 0 : size), v_codes(a.bits == 8 ? 0 : size);
+    for (int64_t first = begin; first < end; first += group) {
+      const int64_t count = std::min(group, end - first);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t r = first + j;
+        const uint8_t* m_in = a.m_codes + r * code_width;
+        const uint8_t* v_in = a.v_codes + r * code_width;
+        if (a.bits == 4) {  // element 2i is the low nibble of byte i
+          uint8_t* m_out = m_codes.data() + j * block;
+          uint8_t* v_out = v_codes.data() + j * block;
+          for (int64_t i = 0; i < code_width; ++i) {
+            m_out[2 * i] = m_in[i] & 15;
+            m_out[2 * i + 1] = m_in[i] >> 4;
+            v_out[2 * i] = v_in[i] & 15;
+            v_out[2 * i + 1] = v_in[i] >> 4;
+          }
+          m_in = m_out;
+          v_in = v_out;
+        }
+        int32_t m_max, v_max;
+        moments_row<kMaximize, kCoupled>(a, a.p + r * block, a.g + r * block, m_in, v_in, a.m_absmax[r],
+                                         a.v_absmax[r], m.data() + j * block, v.data() + j * block, &m_max, &v_max);
+        m_absmax[j] = from_bits(m_max);
+        v_absmax[j] = from_bits(v_max);
+      }
+      square_roots(v.data(), root.data(), count * block);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t r = first + j;
+        uint8_t* m_out = a.bits == 8 ? a.m_codes + r * code_width : m_codes.data() + j * block;
+        uint8_t* v_out = a.bits == 8 ? a.v_codes + r * code_width : v_codes.data() + j * block;
+        const float m_scale = m_absmax[j] > 0.0f ? m_absmax[j] : 1.0f;
+        const float v_scale = v_absmax[j] > 0.0f ? v_absmax[j] : 1.0f;
+        finish_row<kDecoupled, kToOut>(a, a.p + r * block, kToOut ? a.out + r * block : nullptr,
+                                       m.data() + j * block, v.data() + j * block, root.data() + j * block, m_scale,
+                                       v_scale, m_out, v_out);
+        if (a.bits == 4) {
+          uint8_t* mc = a.m_codes + r * code_width;
+          uint8_t* vc = a.v_codes + r * code_width;
+          for (int64_t i = 0; i < code_width; ++i) {
+            mc[i] = static_cast<uint8_t>(m_out[2 * i] | (m_out[2 * i + 1] << 4));
+            vc[i] = static_cast<uint8_t>(v_out[2 * i] | (v_out[2 * i + 1] << 4));
+          }
+        }
+        a.m_absmax[r] = m_absmax[j];
+        a.v_absmax[r] = v_absmax[j];
+      }
+    }
+  });
+}
+
+template <bool kMaximize, bool kCoupled, bool kDecoupled>
+void run_to(const Args& a) {
+  a.out ? run<kMaximize, kCoupled, kDecoupled, true>(a) : run<kMaximize, kCoupled, kDecoupled, false>(a);
+}
+
+template <bool kMaximize, bool kCoupled>
+void run_decay(const Args& a) {
+  a.decoupled_decay ? run_to<kMaximize, kCoupled, true>(a) : run_to<kMaximize, kCoupled, false>(a);
+}
+
+template <bool kMaximize>
+void run_coupled(const Args& a) {
+  a.coupled_decay ? run_decay<kMaximize, true>(a) : run_decay<kMaximize, false>(a);
+}
+
+}  // namespace
+
+extern "C" int fadam_quantized_adam_rows(const Args* args) {
+  if (args->bits != 8 && (args->bits != 4 || args->block % 2 != 0)) return 1;
+  args->maximize ? run_coupled<true>(*args) : run_coupled<false>(*args);
+  return 0;
+}

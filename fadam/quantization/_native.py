@@ -1,0 +1,194 @@
+"""The quantized Adam step's CPU kernel: ``_adam_rows.cpp``, built on first use and called through ctypes.
+
+On the CPU, inductor's code for the fused step (``_fused.py``) reads each table entry in a scalar loop and goes
+through memory between its two kernels; this loop does the same math in one pass per block and vectorizes (16.8M
+params, 2 threads: 27 ms against inductor's 64 ms; see benchmarks/README.md). Its results equal the eager kernels bit
+for bit: ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it). Only
+float32 params on the CPU take it; everything else keeps the compiled kernels.
+
+The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which
+torch.compile's CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers:
+about a second. Its instruction set follows ATen's (``torch.backends.cpu.get_cpu_capability``), so that its
+multiply-adds are fused exactly where ATen's are. If the build fails, ``usable`` warns once and returns ``False``,
+and the compiled kernels serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from fadam.quantization._codec import map_pair
+from fadam.quantization._maps import _GRIDS, _SIZE, Tables
+
+_SOURCE = Path(__file__).with_name("_adam_rows.cpp")
+_SEGMENTS = 8  # kSegments in the source
+# Compiler flags per ATen CPU capability: the vector width and, above all, whether a multiply-add is fused.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mprefer-vector-width=512"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+# -ffp-contract=off: each operation rounds once, as ATen's kernels do, unless the source asks for a fused one;
+# -fno-math-errno lets sqrt vectorize (results are the same).
+_CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+
+
+class _Grid(ctypes.Structure):
+    _fields_ = [
+        ("lo", ctypes.c_float * _SEGMENTS),
+        ("m", ctypes.c_float * _SEGMENTS),
+        ("k", ctypes.c_float * _SEGMENTS),
+        ("mids", ctypes.c_void_p),
+        ("zero", ctypes.c_int32),
+        ("top", ctypes.c_int32),
+    ]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("p", "g", "out", "m_codes", "m_absmax", "v_codes", "v_absmax")),
+        ("m_map", ctypes.c_void_p),
+        ("v_map", ctypes.c_void_p),
+        ("m_grid", _Grid),
+        ("v_grid", _Grid),
+        ("rows", ctypes.c_int64),
+        ("block", ctypes.c_int64),
+        *((name, ctypes.c_int32) for name in ("bits", "maximize", "coupled_decay", "decoupled_decay")),
+        *(
+            (name, ctypes.c_float)
+            for name in ("b1_weight", "b2", "one_minus_b2", "eps", "weight_decay", "lr", "bc1", "bc2_sqrt", "factor")
+        ),
+    ]
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    # cpp_extension runs `ninja` from PATH; the ninja package (a dependency) puts it in its own folder, which is on
+    # PATH only in an activated environment. Added for the build only.
+    try:
+        import ninja
+
+        folder = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        folder = None
+    if folder is None or shutil.which("ninja") is not None:
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = folder + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+@functools.cache
+def _library() -> Callable[[ctypes.c_void_p], int] | None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    try:
+        from torch.utils import cpp_extension
+
+        with _ninja_on_path():
+            path = cpp_extension.load(
+                name=f"fadam_adam_rows_{capability.lower()}",
+                sources=[str(_SOURCE)],
+                extra_cflags=[*_CFLAGS, *_ISA_FLAGS.get(capability, [])],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
+        function = ctypes.CDLL(path).fadam_quantized_adam_rows
+    except Exception as err:  # no compiler, no ninja, an unsupported platform: the compiled kernels serve
+        warnings.warn(
+            f"fadam: building the quantized Adam CPU kernel failed ({type(err).__name__}: {err}); using the "
+            "torch.compile kernel instead",
+            stacklevel=3,
+        )
+        return None
+    function.argtypes = [ctypes.POINTER(_Args)]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _grid(map_id: int, thresholds: torch.Tensor) -> _Grid:
+    grid = _GRIDS[map_id]
+    padding = [(float("inf"), 0.0, 0.0)] * (_SEGMENTS - len(grid.segments))
+    lo, m, k = zip(*grid.segments, *padding)
+    mids = thresholds.data_ptr() + (map_id * _SIZE + grid.zero) * thresholds.element_size()
+    floats = ctypes.c_float * _SEGMENTS
+    return _Grid(floats(*lo), floats(*m), floats(*k), mids, grid.zero, grid.top)
+
+
+def step_rows(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    m_map: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    v_map: torch.Tensor,
+    scalars: tuple[torch.Tensor, ...],
+    tables: Tables,
+    config: tuple,
+    bits: int,
+    out: torch.Tensor | None = None,
+) -> None:
+    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``."""
+    b1, b2, eps, weight_decay, decoupled, maximize = config
+    thresholds = tables[2]
+    signed, unsigned = map_pair(bits)
+    lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
+    args = _Args(
+        *(t.data_ptr() if t is not None else None for t in (p, g, out, m_codes, m_absmax, v_codes, v_absmax)),
+        m_map.data_ptr(),
+        v_map.data_ptr(),
+        _grid(signed, thresholds),
+        _grid(unsigned, thresholds),
+        p.shape[0],
+        p.shape[1],
+        bits,
+        bool(maximize),
+        bool(weight_decay) and not decoupled,
+        bool(weight_decay) and decoupled,
+        1 - b1,
+        b2,
+        1 - b2,
+        eps,
+        weight_decay,
+        lr,
+        bc1,
+        bc2_sqrt,
+        factor,
+    )
+    if _library()(ctypes.byref(args)) != 0:
+        raise ValueError(f"the quantized Adam CPU kernel takes 8 bits or 4 bits with an even block, got {bits} bits")
+
+
+def usable(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    m_map: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    v_map: torch.Tensor,
+    out: torch.Tensor | None,
+) -> bool:
+    """Whether ``step_rows`` can run on these row views: float32 params, uint8 codes and float32 absmax on the CPU,
+    all contiguous, and a library that built."""
+    floats = [p, g, m_absmax, m_map, v_absmax, v_map, *([] if out is None else [out])]
+    return (
+        all(t.dtype == torch.float32 for t in floats)
+        and m_codes.dtype == v_codes.dtype == torch.uint8
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (*floats, m_codes, v_codes))
+        and _library() is not None
+    )

@@ -1,0 +1,142 @@
+"""The quantized Adam step's C++ CPU kernel (fadam/quantization/_native.py) against the eager kernels it replaces:
+params, updates, codes and absmax equal bit for bit."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import fadam
+from fadam.quantization import _fused, _native
+from fadam.quantization._codec import map_pair, quantize_blockwise
+from fadam.quantization._maps import map_values, tables_on
+
+
+def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
+    q = quantize_blockwise(values, bits, block, map_id=torch.tensor(map_id, dtype=torch.uint8))
+    return q.codes.view(values.numel() // block, -1), q.absmax, q.map_id
+
+
+def run_both(bits, config, special, to_out, m_map_id=None):
+    torch.manual_seed(bits + 7 * special)
+    block, rows = (256, 9) if bits == 8 else (128, 11)
+    n = rows * block
+    p = torch.randn(n)
+    g = torch.randn(n) * 10.0 ** torch.randint(-6, 2, (n,)).to(torch.float32)  # magnitudes over 8 decades
+    m, v = torch.randn(n) * 1e-2, torch.rand(n) * 1e-4
+    if special:
+        g[5], g[300], g[301] = float("nan"), float("inf"), -float("inf")
+        for t in (g, m, v):  # a zero block
+            t[2 * block : 3 * block] = 0
+        g[4 * block : 5 * block] = 1e-3  # a constant gradient block
+    signed, unsigned = map_pair(bits)
+    m_codes, m_absmax, m_map = quantized_rows(m, bits, block, signed if m_map_id is None else m_map_id)
+    v_codes, v_absmax, v_map = quantized_rows(v, bits, block, unsigned)
+    tables = tables_on("cpu")
+    scalars = tuple(torch.tensor(x, dtype=torch.float32) for x in (1e-3, 0.271, 0.0447, 1 - 1e-3 * config[3]))
+    results = []
+    for kernel in (_fused._rows_step_inplace, _native.step_rows):
+        state = [t.clone() for t in (p.view(rows, block), m_codes, m_absmax, v_codes, v_absmax)]
+        out = torch.full((rows, block), float("nan")) if to_out else None
+        p_rows, mc, ma, vc, va = state
+        maps = (map_values(m_map, tables), map_values(v_map, tables))
+        kernel(p_rows, g.view(rows, block), mc, ma, maps[0], vc, va, maps[1], scalars, tables, config, bits, out=out)
+        results.append({"p": p_rows, "m_codes": mc, "m_absmax": ma, "v_codes": vc, "v_absmax": va, "out": out})
+    return results
+
+
+CONFIGS = [  # (b1, b2, eps, weight_decay, decoupled, maximize)
+    (0.9, 0.999, 1e-8, 0.0, False, False),
+    (0.9, 0.999, 1e-8, 0.1, True, False),  # AdamW
+    (0.9, 0.99, 1e-6, 0.05, False, True),  # Adam's L2 decay, maximize
+    (0.3, 0.999, 1e-8, 0.1, True, True),  # lerp weight above 0.5: ATen's other branch
+]
+
+
+CASES = list(itertools.product((8, 4), CONFIGS, (0, 1), (0, 1)))
+
+
+@pytest.mark.parametrize(("bits", "config", "special", "to_out"), CASES)
+def test_native_kernel_equals_the_eager_kernels(bits, config, special, to_out):
+    eager, native = run_both(bits, config, special, to_out)
+    for key in ("p", "out", "m_codes", "m_absmax", "v_codes", "v_absmax"):
+        if key != "out" or to_out:
+            torch.testing.assert_close(native[key], eager[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
+    # the chain may have stored m with the non-negative map; the kernel decodes it with it and writes the signed one
+    eager, native = run_both(8, CONFIGS[1], 0, 0, m_map_id=map_pair(8)[1])
+    assert torch.equal(native["m_codes"], eager["m_codes"]) and torch.equal(native["v_codes"], eager["v_codes"])
+
+
+def test_step_runs_the_native_kernel_for_float32_cpu_params(unfused, monkeypatch):
+    calls = []
+    native_step = _native.step_rows
+    monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(a[0].dtype) or native_step(*a, **k))
+    params = {"w": torch.randn(40, 64), "h": torch.randn(700).to(torch.bfloat16)}
+    tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    new_p, _ = fadam.step(tx, params, grads, tx.init(params))
+    updates, _ = chain.update(grads, chain.init(params), params)
+    assert calls == [torch.float32]  # the bf16 leaf takes the compiled kernels
+    assert torch.equal(new_p["w"], fadam.apply_updates(params, updates)["w"])
+
+
+def test_a_failed_build_warns_once_and_the_compiled_kernels_serve(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    _native._library.cache_clear()
+    try:
+        params = {"w": torch.randn(4096)}
+        tx = fadam.adam8bit(lr=1e-2)
+        state = tx.init(params)
+        with pytest.warns(UserWarning, match="building the quantized Adam CPU kernel failed.*no C.. compiler"):
+            new_p, state = fadam.step(tx, params, {"w": torch.randn(4096)}, state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fadam.step(tx, new_p, {"w": torch.randn(4096)}, state)  # no second warning
+        assert not torch.equal(new_p["w"], params["w"])
+    finally:
+        _native._library.cache_clear()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_kernel_breaks_ties_at_midpoints_as_the_codec(bits):
+    # b1 = 0 makes the new m the gradient itself (lerp with weight 1), so m / absmax hits every midpoint exactly
+    block = 256 if bits == 8 else 128
+    mids = tables_on("cpu")[2][map_pair(bits)[0]]
+    mids = mids[mids.isfinite() & (mids > 0)]
+    rows = -(-(2 * mids.numel() + 1) // block)
+    g = torch.zeros(rows * block)
+    g[: 2 * mids.numel() + 1] = torch.cat([torch.ones(1), mids, -mids])
+    g = g.view(rows, block)
+    g[1:, 0] = 1.0  # every row's absmax is 1
+    tables = tables_on("cpu")
+    signed, unsigned = map_pair(bits)
+    results = []
+    for kernel in (_fused._rows_step_inplace, _native.step_rows):
+        m_codes, m_absmax, m_map = quantized_rows(torch.zeros(rows * block), bits, block, signed)
+        v_codes, v_absmax, v_map = quantized_rows(torch.zeros(rows * block), bits, block, unsigned)
+        scalars = tuple(torch.tensor(x) for x in (1e-3, 1.0, 1.0, 1.0))
+        maps = (map_values(m_map, tables), map_values(v_map, tables))
+        config = (0.0, 0.999, 1e-8, 0.0, False, False)
+        kernel(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1], scalars, tables,
+               config, bits)  # fmt: skip
+        results.append(m_codes)
+    assert torch.equal(results[0], results[1])
+
+
+def test_the_build_finds_the_ninja_package_off_path(monkeypatch):
+    import ninja  # a dependency of fadam
+
+    monkeypatch.setattr(_native.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nowhere")
+    with _native._ninja_on_path():
+        assert _native.os.environ["PATH"].split(_native.os.pathsep)[0] == ninja.BIN_DIR
+    assert _native.os.environ["PATH"] == "/nowhere"
