@@ -1,7 +1,9 @@
-"""fadam.step and update on the quantized Adam aliases run fused (compiled) kernels; they must agree with the chain.
+"""fadam.step and update on the quantized Adam aliases run fused kernels; they must agree with the chain.
 
-tests/conftest.py runs the kernels eagerly except in tests marked slow (compiling costs tens of seconds on a busy
-2-core machine); benchmarks/bench_quantized.py checks the compiled kernels on every run.
+On the CPU, float32 params take the C++ kernel (tests/test_quantized_native.py checks it bit for bit); other params
+take the torch.compile kernels, which tests/conftest.py runs eagerly except in tests marked slow (compiling costs tens
+of seconds on a busy 2-core machine; CI runs them too). benchmarks/bench_quantized.py times both kernels on 16.8M
+params and counts recompilations.
 """
 
 import warnings
@@ -12,6 +14,19 @@ import torch
 
 import fadam
 from fadam.quantization import QuantizedArray, _fused, _native, dequantize_blockwise
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request, monkeypatch) -> str:
+    """Which kernel float32 CPU params take: the C++ one, or (as all other params do) the torch.compile ones."""
+    if request.param == "torch":
+        monkeypatch.setattr(_native, "usable", lambda *args: False)
+    return request.param
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(_native, "usable", lambda *args: False)
 
 
 def dequantized_moments(state, params, bits, block):
@@ -31,16 +46,16 @@ def dequantized_moments(state, params, bits, block):
         (fadam.adam4bit, 4, {"weight_decay": 0.01, "maximize": True}),
     ],
 )
-def test_fused_step_matches_chain(make, bits, kwargs, unfused):
-    check_fused_step_matches_chain(make, bits, kwargs, unfused)
+def test_fused_step_matches_chain(make, bits, kwargs, unfused, kernel):
+    check_fused_step_matches_chain(make, bits, kwargs, unfused, exact=kernel == "native")
 
 
 @pytest.mark.slow
-def test_compiled_fused_step_matches_chain(unfused):
-    check_fused_step_matches_chain(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused)
+def test_compiled_fused_step_matches_chain(unfused, torch_kernels):
+    check_fused_step_matches_chain(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused, exact=False)
 
 
-def check_fused_step_matches_chain(make, bits, kwargs, unfused):
+def check_fused_step_matches_chain(make, bits, kwargs, unfused, exact):
     torch.manual_seed(0)
     block = 256 if bits == 8 else 128
     # a ragged last block (odd at 4 bits), a small full-precision leaf, a leaf that is whole blocks
@@ -58,6 +73,8 @@ def check_fused_step_matches_chain(make, bits, kwargs, unfused):
             assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((params, tx.init(params))), originals))
     inner = next(s for s in fused_s if isinstance(s, fadam.QuantizedState)).inner_state
     assert isinstance(inner.mu["w"], QuantizedArray) and inner.count == 4
+    if exact:  # the C++ kernel is the chain's arithmetic
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(fused_p), optree.tree_leaves(chain_p)))
     for k in params:  # compiled math rounds differently by an ulp, which can move a code by one step
         torch.testing.assert_close(fused_p[k], chain_p[k], rtol=0, atol=1e-4)
     for a, b in zip(
@@ -111,7 +128,7 @@ def test_fused_step_declines_what_it_cannot_run():
 
 
 @pytest.mark.parametrize(("make", "bits"), [(fadam.adamw8bit, 8), (fadam.adam4bit, 4)])
-def test_fused_step_chunks_agree_with_one_chunk(make, bits, monkeypatch):
+def test_fused_step_chunks_agree_with_one_chunk(make, bits, monkeypatch, torch_kernels):
     # Rows run in chunks through two kernels (moments and absmax, then param and codes); chunk boundaries, a short
     # last chunk and a ragged last block must not change a bit.
     torch.manual_seed(0)
@@ -151,17 +168,17 @@ def test_compile_failure_falls_back_to_eager_once():
         (fadam.adamw4bit, 4, {"weight_decay": 0.1}),
     ],
 )
-def test_update_matches_chain_and_step(make, bits, kwargs, unfused, monkeypatch):
+def test_update_matches_chain_and_step(make, bits, kwargs, unfused, monkeypatch, kernel):
     monkeypatch.setattr(_fused, "_CHUNK", 3 * 256)  # chunks of 3 (8-bit) or 6 (4-bit) rows, the last one shorter
-    check_update_matches_chain_and_step(make, bits, kwargs, unfused)
+    check_update_matches_chain_and_step(make, bits, kwargs, unfused, exact=kernel == "native")
 
 
 @pytest.mark.slow
-def test_compiled_update_matches_chain_and_step(unfused):
-    check_update_matches_chain_and_step(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused)
+def test_compiled_update_matches_chain_and_step(unfused, torch_kernels):
+    check_update_matches_chain_and_step(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused, exact=False)
 
 
-def check_update_matches_chain_and_step(make, bits, kwargs, unfused):
+def check_update_matches_chain_and_step(make, bits, kwargs, unfused, exact):
     torch.manual_seed(0)
     block = 256 if bits == 8 else 128
     # w: 7 (8-bit) or 14 (4-bit) whole blocks and a ragged 100; a small full-precision leaf; a leaf of whole blocks
@@ -178,9 +195,10 @@ def check_update_matches_chain_and_step(make, bits, kwargs, unfused):
         updates, new_s = tx.update(grads, s, p)
         assert all(torch.equal(a, b) for a, b in zip(inputs, copies))  # nothing passed in was written
         assert [t._version for t in inputs] == versions
-        for k in params:  # the same inputs: the chain's update up to the kernels' rounding (see above)
+        for k in params:  # the same inputs: the chain's update (up to the compiled kernels' rounding, see above)
             assert updates[k].dtype == chain_updates[k].dtype
-            torch.testing.assert_close(updates[k], chain_updates[k], rtol=0, atol=1e-4)
+            tolerance = 0 if exact else 1e-4
+            torch.testing.assert_close(updates[k], chain_updates[k], rtol=0, atol=tolerance)
         p, s = fadam.apply_updates(p, updates), new_s
         # p + u is the fused step's param bit for bit, and the states are the same
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((p, s)), optree.tree_leaves((step_p, step_s))))
