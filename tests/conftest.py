@@ -5,8 +5,8 @@ optimizer kernels above all) can take milliseconds per call when OpenMP threads 
 ~21 ms instead of ~3 us on a loaded 2-core machine. Subprocesses started by tests (examples, torchrun) inherit it.
 
 The quantized Adam aliases' torch.compile kernels run eagerly except in tests marked slow: compiling costs tens of
-seconds on a busy 2-core machine; the same functions run eagerly. Their C++ CPU kernel (float32 params) runs
-everywhere: it builds in seconds, once per machine.
+seconds on a busy 2-core machine; the same functions run eagerly. Their C++ CPU kernel (float32 and bfloat16 params)
+runs everywhere: it builds in seconds, once per machine.
 """
 
 import os

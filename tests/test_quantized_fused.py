@@ -1,9 +1,9 @@
 """fadam.step and update on the quantized Adam aliases run fused kernels; they must agree with the chain.
 
-On the CPU, float32 params take the C++ kernel (tests/test_quantized_native.py checks it bit for bit); other params
-take the torch.compile kernels, which tests/conftest.py runs eagerly except in tests marked slow (compiling costs tens
-of seconds on a busy 2-core machine; CI runs them too). benchmarks/bench_quantized.py times both kernels on 16.8M
-params and counts recompilations.
+On the CPU, float32 and bfloat16 params take the C++ kernel (tests/test_quantized_native.py checks it bit for bit);
+other params take the torch.compile kernels, which tests/conftest.py runs eagerly except in tests marked slow (compiling
+costs tens of seconds on a busy 2-core machine; CI runs them too). benchmarks/bench_quantized.py times both kernels on
+16.8M params and counts recompilations.
 """
 
 import warnings

@@ -18,12 +18,12 @@ def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
     return q.codes.view(values.numel() // block, -1), q.absmax, q.map_id
 
 
-def run_both(bits, config, special, to_out, m_map_id=None):
+def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
     torch.manual_seed(bits + 7 * special)
     block, rows = (256, 9) if bits == 8 else (128, 11)
     n = rows * block
-    p = torch.randn(n)
-    g = torch.randn(n) * 10.0 ** torch.randint(-6, 2, (n,)).to(torch.float32)  # magnitudes over 8 decades
+    p = torch.randn(n).to(dtype)
+    g = (torch.randn(n) * 10.0 ** torch.randint(-6, 2, (n,)).to(torch.float32)).to(dtype)  # over 8 decades
     m, v = torch.randn(n) * 1e-2, torch.rand(n) * 1e-4
     if special:
         g[5], g[300], g[301] = float("nan"), float("inf"), -float("inf")
@@ -38,7 +38,7 @@ def run_both(bits, config, special, to_out, m_map_id=None):
     results = []
     for kernel in (_fused._rows_step_inplace, _native.step_rows):
         state = [t.clone() for t in (p.view(rows, block), m_codes, m_absmax, v_codes, v_absmax)]
-        out = torch.full((rows, block), float("nan")) if to_out else None
+        out = torch.full((rows, block), float("nan"), dtype=dtype) if to_out else None
         p_rows, mc, ma, vc, va = state
         maps = (map_values(m_map, tables), map_values(v_map, tables))
         kernel(p_rows, g.view(rows, block), mc, ma, maps[0], vc, va, maps[1], scalars, tables, config, bits, out=out)
@@ -54,12 +54,12 @@ CONFIGS = [  # (b1, b2, eps, weight_decay, decoupled, maximize)
 ]
 
 
-CASES = list(itertools.product((8, 4), CONFIGS, (0, 1), (0, 1)))
+CASES = list(itertools.product((8, 4), CONFIGS, (0, 1), (0, 1), (torch.float32, torch.bfloat16)))
 
 
-@pytest.mark.parametrize(("bits", "config", "special", "to_out"), CASES)
-def test_native_kernel_equals_the_eager_kernels(bits, config, special, to_out):
-    eager, native = run_both(bits, config, special, to_out)
+@pytest.mark.parametrize(("bits", "config", "special", "to_out", "dtype"), CASES)
+def test_native_kernel_equals_the_eager_kernels(bits, config, special, to_out, dtype):
+    eager, native = run_both(bits, config, special, to_out, dtype)
     for key in ("p", "out", "m_codes", "m_absmax", "v_codes", "v_absmax"):
         if key != "out" or to_out:
             torch.testing.assert_close(native[key], eager[key], rtol=0, atol=0, equal_nan=True, msg=key)
@@ -71,17 +71,18 @@ def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
     assert torch.equal(native["m_codes"], eager["m_codes"]) and torch.equal(native["v_codes"], eager["v_codes"])
 
 
-def test_step_runs_the_native_kernel_for_float32_cpu_params(unfused, monkeypatch):
+def test_step_runs_the_native_kernel_for_float32_and_bfloat16_cpu_params(unfused, monkeypatch):
     calls = []
     native_step = _native.step_rows
     monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(a[0].dtype) or native_step(*a, **k))
-    params = {"w": torch.randn(40, 64), "h": torch.randn(700).to(torch.bfloat16)}
+    params = {"w": torch.randn(40, 64), "b": torch.randn(700).to(torch.bfloat16), "h": torch.randn(700).half()}
     tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     new_p, _ = fadam.step(tx, params, grads, tx.init(params))
     updates, _ = chain.update(grads, chain.init(params), params)
-    assert calls == [torch.float32]  # the bf16 leaf takes the compiled kernels
-    assert torch.equal(new_p["w"], fadam.apply_updates(params, updates)["w"])
+    assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32"]  # float16 takes the compiled kernels
+    for k in params:
+        assert torch.equal(new_p[k], fadam.apply_updates(params, updates)[k]), k
 
 
 def test_a_failed_build_warns_once_and_the_compiled_kernels_serve(monkeypatch):

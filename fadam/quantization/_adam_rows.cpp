@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,9 +34,9 @@ struct Grid {
 };
 
 struct Args {
-  float* p;
-  const float* g;
-  float* out;  // null: the new param goes into p; else the update goes into out and p is only read
+  void* p;  // params, gradients and updates: float32 or bfloat16 (param_dtype)
+  const void* g;
+  void* out;  // null: the new param goes into p; else the update goes into out and p is only read
   uint8_t* m_codes;
   float* m_absmax;
   uint8_t* v_codes;
@@ -47,6 +48,7 @@ struct Args {
   int64_t rows;
   int64_t block;
   int32_t bits;
+  int32_t param_dtype;  // 0: float32, 1: bfloat16
   int32_t maximize;
   int32_t coupled_decay;    // weight decay added to the gradient (Adam)
   int32_t decoupled_decay;  // weight decay applied to the param (AdamW)
@@ -72,6 +74,33 @@ void square_roots(const float* __restrict v, float* __restrict root, int64_t n) 
   }
   for (int64_t i = 0; i < n; ++i) root[i] = std::sqrt(v[i]);
 }
+
+inline float from_bits(int32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// A param dtype: how its values load as float32 and how a float32 result rounds to it (ATen computes reduced-precision
+// ops in float32 and rounds each result).
+struct Float32 {
+  using Storage = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+  static float round(float x) { return x; }
+};
+
+struct BFloat16 {
+  using Storage = uint16_t;
+  static float load(uint16_t x) { return from_bits(static_cast<int32_t>(static_cast<uint32_t>(x) << 16)); }
+  static uint16_t store(float x) {  // round to nearest even, as c10::BFloat16; NaN stays NaN
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+  }
+  static float round(float x) { return load(store(x)); }
+};
 
 inline float select(bool condition, float a, float b) {
   uint32_t ia, ib;
@@ -99,12 +128,6 @@ inline int32_t finite_magnitude_bits(float x) {
   int32_t bits;
   std::memcpy(&bits, &kept, 4);
   return bits;
-}
-
-inline float from_bits(int32_t bits) {
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
 }
 
 // y / scale as the codec computes it: NaN to 0, then clamped to [-1, 1].
@@ -139,15 +162,16 @@ inline int32_t encode(float y, const Grid& grid) {
 }
 
 // New moments of one block into m_out, v_out, and the bit patterns of their absmax into m_max, v_max.
-template <bool kMaximize, bool kCoupled>
-__attribute__((noinline, noclone)) void moments_row(const Args& a, const float* __restrict p,
-                                                    const float* __restrict g, const uint8_t* __restrict m_codes,
+template <typename P, bool kMaximize, bool kCoupled>
+__attribute__((noinline, noclone)) void moments_row(const Args& a, const typename P::Storage* __restrict p,
+                                                    const typename P::Storage* __restrict g,
+                                                    const uint8_t* __restrict m_codes,
                                                     const uint8_t* __restrict v_codes, float m_scale, float v_scale,
                                                     float* __restrict m_out, float* __restrict v_out, int32_t* m_max,
                                                     int32_t* v_max) {
   const float* __restrict m_map = a.m_map;
   const float* __restrict v_map = a.v_map;
-  const float b2 = a.b2, one_minus_b2 = a.one_minus_b2, decay = a.weight_decay;
+  const float b2 = a.b2, one_minus_b2 = a.one_minus_b2, decay = P::round(a.weight_decay);  // alpha in p's dtype
   // ATen's lerp: start + w * (end - start) for |w| < 0.5, else end + (w - 1) * (end - start), one rounding each
   const bool small_weight = std::fabs(a.b1_weight) < 0.5f;
   const float coefficient = small_weight ? a.b1_weight : a.b1_weight - 1.0f;
@@ -156,8 +180,8 @@ __attribute__((noinline, noclone)) void moments_row(const Args& a, const float* 
   for (int64_t i = 0; i < n; ++i) {
     const float m = m_map[m_codes[i]] * m_scale;
     const float v = v_map[v_codes[i]] * v_scale;
-    float grad = kMaximize ? -g[i] : g[i];
-    if (kCoupled) grad = multiply_add(p[i], decay, grad);  // torch.add(g, p, alpha=decay)
+    float grad = kMaximize ? -P::load(g[i]) : P::load(g[i]);
+    if (kCoupled) grad = P::round(multiply_add(P::load(p[i]), decay, grad));  // torch.add(g, p, alpha=decay)
     const float m_new = multiply_add(coefficient, grad - m, select(small_weight, m, grad));
     const float v_new = multiply_add(one_minus_b2 * grad, grad, v * b2);  // addcmul(v * b2, g, g, value)
     m_out[i] = m_new;
@@ -171,34 +195,53 @@ __attribute__((noinline, noclone)) void moments_row(const Args& a, const float* 
 }
 
 // The param (or update) of one block and the codes of its new moments for their new absmax.
-template <bool kDecoupled, bool kToOut>
-__attribute__((noinline, noclone)) void finish_row(const Args& a, float* __restrict p, float* __restrict out,
+template <typename P, bool kDecoupled, bool kToOut>
+__attribute__((noinline, noclone)) void finish_row(const Args& a, typename P::Storage* __restrict p,
+                                                   typename P::Storage* __restrict out,
                                                    const float* __restrict m, const float* __restrict v,
                                                    const float* __restrict root, float m_scale, float v_scale,
                                                    uint8_t* __restrict m_codes, uint8_t* __restrict v_codes) {
   const Grid m_grid = a.m_grid, v_grid = a.v_grid;
-  const float bc1 = a.bc1, bc2_sqrt = a.bc2_sqrt, eps = a.eps, negative_lr = -a.lr, factor = a.factor;
+  const float bc1 = a.bc1, bc2_sqrt = a.bc2_sqrt, eps = a.eps, negative_lr = -a.lr, factor = P::round(a.factor);
   const int64_t n = a.block;  // a local: the code stores (uint8_t) may alias any field of `a`
   for (int64_t i = 0; i < n; ++i) {
     const float m_new = m[i], v_new = v[i];
-    float u = ((m_new / bc1) / (root[i] / bc2_sqrt + eps)) * negative_lr;
-    const float param = p[i];
-    if (kDecoupled) u = u - (param - param * factor);
+    // _fused._update: ((m / bc1) / (sqrt(v) / bc2_sqrt + eps)).to(p.dtype) * -lr, minus (p - p * factor)
+    float u = P::round(P::round((m_new / bc1) / (root[i] / bc2_sqrt + eps)) * negative_lr);
+    const float param = P::load(p[i]);
+    if (kDecoupled) u = P::round(u - P::round(param - P::round(param * factor)));
     if (kToOut) {
-      out[i] = u;
+      out[i] = P::store(u);
     } else {
-      p[i] = param + u;
+      p[i] = P::store(param + u);
     }
     m_codes[i] = static_cast<uint8_t>(encode<true>(unit(m_new, m_scale), m_grid));
     v_codes[i] = static_cast<uint8_t>(encode<false>(unit(v_new, v_scale), v_grid));
   }
 }
 
+// 4-bit codes: element 2i is the low nibble of byte i. Separate functions so that the pointers are restrict: uint8_t
+// stores may alias anything, which keeps the loops scalar otherwise.
+void unpack_nibbles(const uint8_t* __restrict packed, uint8_t* __restrict codes, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; ++i) {
+    codes[2 * i] = packed[i] & 15;
+    codes[2 * i + 1] = packed[i] >> 4;
+  }
+}
+
+void pack_nibbles(const uint8_t* __restrict codes, uint8_t* __restrict packed, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; ++i) packed[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
+}
+
 // Rows whose square roots are taken in one call (about 4096 elements): the call costs more than a row's work.
 constexpr int64_t kGroupElements = 4096;
 
-template <bool kMaximize, bool kCoupled, bool kDecoupled, bool kToOut>
+template <typename P, bool kMaximize, bool kCoupled, bool kDecoupled, bool kToOut>
 void run(const Args& a) {
+  using Storage = typename P::Storage;
+  Storage* params = static_cast<Storage*>(a.p);
+  const Storage* grads = static_cast<const Storage*>(a.g);
+  Storage* updates = static_cast<Storage*>(a.out);
   const int64_t block = a.block, code_width = a.bits == 8 ? block : block / 2;
   const int64_t group = std::max<int64_t>(1, kGroupElements / block);
   at::parallel_for(0, a.rows, group, [&](int64_t begin, int64_t end) {
@@ -211,21 +254,18 @@ void run(const Args& a) {
         const int64_t r = first + j;
         const uint8_t* m_in = a.m_codes + r * code_width;
         const uint8_t* v_in = a.v_codes + r * code_width;
-        if (a.bits == 4) {  // element 2i is the low nibble of byte i
+        if (a.bits == 4) {
           uint8_t* m_out = m_codes.data() + j * block;
           uint8_t* v_out = v_codes.data() + j * block;
-          for (int64_t i = 0; i < code_width; ++i) {
-            m_out[2 * i] = m_in[i] & 15;
-            m_out[2 * i + 1] = m_in[i] >> 4;
-            v_out[2 * i] = v_in[i] & 15;
-            v_out[2 * i + 1] = v_in[i] >> 4;
-          }
+          unpack_nibbles(m_in, m_out, code_width);
+          unpack_nibbles(v_in, v_out, code_width);
           m_in = m_out;
           v_in = v_out;
         }
         int32_t m_max, v_max;
-        moments_row<kMaximize, kCoupled>(a, a.p + r * block, a.g + r * block, m_in, v_in, a.m_absmax[r],
-                                         a.v_absmax[r], m.data() + j * block, v.data() + j * block, &m_max, &v_max);
+        moments_row<P, kMaximize, kCoupled>(a, params + r * block, grads + r * block, m_in, v_in, a.m_absmax[r],
+                                            a.v_absmax[r], m.data() + j * block, v.data() + j * block, &m_max,
+                                            &v_max);
         m_absmax[j] = from_bits(m_max);
         v_absmax[j] = from_bits(v_max);
       }
@@ -236,16 +276,12 @@ void run(const Args& a) {
         uint8_t* v_out = a.bits == 8 ? a.v_codes + r * code_width : v_codes.data() + j * block;
         const float m_scale = m_absmax[j] > 0.0f ? m_absmax[j] : 1.0f;
         const float v_scale = v_absmax[j] > 0.0f ? v_absmax[j] : 1.0f;
-        finish_row<kDecoupled, kToOut>(a, a.p + r * block, kToOut ? a.out + r * block : nullptr,
-                                       m.data() + j * block, v.data() + j * block, root.data() + j * block, m_scale,
-                                       v_scale, m_out, v_out);
+        finish_row<P, kDecoupled, kToOut>(a, params + r * block, kToOut ? updates + r * block : nullptr,
+                                          m.data() + j * block, v.data() + j * block, root.data() + j * block,
+                                          m_scale, v_scale, m_out, v_out);
         if (a.bits == 4) {
-          uint8_t* mc = a.m_codes + r * code_width;
-          uint8_t* vc = a.v_codes + r * code_width;
-          for (int64_t i = 0; i < code_width; ++i) {
-            mc[i] = static_cast<uint8_t>(m_out[2 * i] | (m_out[2 * i + 1] << 4));
-            vc[i] = static_cast<uint8_t>(v_out[2 * i] | (v_out[2 * i + 1] << 4));
-          }
+          pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
+          pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
         }
         a.m_absmax[r] = m_absmax[j];
         a.v_absmax[r] = v_absmax[j];
@@ -254,25 +290,36 @@ void run(const Args& a) {
   });
 }
 
-template <bool kMaximize, bool kCoupled, bool kDecoupled>
-void run_to(const Args& a) {
-  a.out ? run<kMaximize, kCoupled, kDecoupled, true>(a) : run<kMaximize, kCoupled, kDecoupled, false>(a);
+// Calls f with std::true_type or std::false_type: a runtime flag as a template argument.
+template <typename F>
+void with_flag(bool flag, F&& f) {
+  flag ? f(std::true_type{}) : f(std::false_type{});
 }
 
-template <bool kMaximize, bool kCoupled>
-void run_decay(const Args& a) {
-  a.decoupled_decay ? run_to<kMaximize, kCoupled, true>(a) : run_to<kMaximize, kCoupled, false>(a);
-}
-
-template <bool kMaximize>
-void run_coupled(const Args& a) {
-  a.coupled_decay ? run_decay<kMaximize, true>(a) : run_decay<kMaximize, false>(a);
+template <typename P>
+void dispatch(const Args& a) {
+  with_flag(a.maximize, [&](auto maximize) {
+    with_flag(a.coupled_decay, [&](auto coupled) {
+      with_flag(a.decoupled_decay, [&](auto decoupled) {
+        with_flag(a.out != nullptr, [&](auto to_out) {
+          run<P, decltype(maximize)::value, decltype(coupled)::value, decltype(decoupled)::value,
+              decltype(to_out)::value>(a);
+        });
+      });
+    });
+  });
 }
 
 }  // namespace
 
 extern "C" int fadam_quantized_adam_rows(const Args* args) {
   if (args->bits != 8 && (args->bits != 4 || args->block % 2 != 0)) return 1;
-  args->maximize ? run_coupled<true>(*args) : run_coupled<false>(*args);
+  if (args->param_dtype == 0) {
+    dispatch<Float32>(*args);
+  } else if (args->param_dtype == 1) {
+    dispatch<BFloat16>(*args);
+  } else {
+    return 2;
+  }
   return 0;
 }

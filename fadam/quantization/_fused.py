@@ -3,24 +3,24 @@
 ``fadam.step(adam8bit(...), params, grads, state, donate=True)`` runs this instead of the chain, and so does the alias'
 ``update`` (the second kernel then writes the update into a fresh tensor and the codes into copies of the state, so that
 ``apply_updates`` gives the fused step's params bit for bit). Each quantized leaf is viewed as ``(blocks, block_size)``
-rows. float32 params on the CPU go to a C++ kernel (``_native.py``: one pass per block, about 2.5x faster than
-inductor's code for the kernels below, equal to their eager form bit for bit). Other rows are processed in chunks of
-about 1M elements by two ``torch.compile``-d kernels: the first decodes a chunk's codes
-and computes the new float32 moments and each row's new absmax; the second computes the new param and writes the new
-codes and absmax in place. The absmax needs the whole row before any code; as one kernel, inductor made that two loops
-over the rows that both decoded the codes, while here the second kernel reads the first one's moments back from the
-cache (8 MB a chunk). Codes are decoded with one table read each and encoded with an arithmetic first guess and one
-midpoint read (``fadam.quantization._maps.encode``); a ragged last block runs the same math eagerly. The learning rate
-and bias corrections are 0-d tensors and the row count becomes a dynamic size after the second shape: at most two
-compilations of each kernel per (dtype, bits, block size, hyperparameters) serve every param shape and step. The math
-and its order are ``quantize_state(scale_by_adam)`` followed by the learning rate and weight decay, as the chain
-computes them, except that ATen's CPU lerp rounds a fused multiply-add once where the compiled kernel rounds twice:
-about one new m entry in ten differs by an ulp, which rarely moves a code by one step (12 of 16.8M m codes in one step
-on random data). Codes are decoded with the map they were stored with; the new m is encoded with the signed map and the
-new v with the non-negative one (v >= 0 by construction), where the chain picks from the values (it may choose the
-non-negative map for an m that happens to have no negative entry; either decodes). Small leaves (full-precision state)
-run the same math eagerly. Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous params, tensor
-weight decay, an ``update`` without params) takes the chain.
+rows. float32 and bfloat16 params on the CPU go to a C++ kernel (``_native.py``: one pass per block, about 2.5x faster
+than inductor's code for the kernels below, equal to their eager form bit for bit). Other rows are processed in chunks
+of about 1M elements by two ``torch.compile``-d kernels: the first decodes a chunk's codes and computes the new float32
+moments and each row's new absmax; the second computes the new param and writes the new codes and absmax in place. The
+absmax needs the whole row before any code; as one kernel, inductor made that two loops over the rows that both decoded
+the codes, while here the second kernel reads the first one's moments back from the cache (8 MB a chunk). Codes are
+decoded with one table read each and encoded with an arithmetic first guess and one midpoint read
+(``fadam.quantization._maps.encode``); a ragged last block runs the same math eagerly. The learning rate and bias
+corrections are 0-d tensors and the row count becomes a dynamic size after the second shape: at most two compilations of
+each kernel per (dtype, bits, block size, hyperparameters) serve every param shape and step. The math and its order are
+``quantize_state(scale_by_adam)`` followed by the learning rate and weight decay, as the chain computes them, except
+that ATen's CPU lerp rounds a fused multiply-add once where the compiled kernel rounds twice: about one new m entry in
+ten differs by an ulp, which rarely moves a code by one step (12 of 16.8M m codes in one step on random data). Codes are
+decoded with the map they were stored with; the new m is encoded with the signed map and the new v with the non-negative
+one (v >= 0 by construction), where the chain picks from the values (it may choose the non-negative map for an m that
+happens to have no negative entry; either decodes). Small leaves (full-precision state) run the same math eagerly.
+Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous params, tensor weight decay, an ``update``
+without params) takes the chain.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ On the CPU, inductor's code for the fused step (``_fused.py``) reads each table 
 through memory between its two kernels; this loop does the same math in one pass per block and vectorizes (16.8M
 params, 2 threads: 27 ms against inductor's 64 ms; see benchmarks/README.md). Its results equal the eager kernels bit
 for bit: ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it). Only
-float32 params on the CPU take it; everything else keeps the compiled kernels.
+float32 and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
 
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which
 torch.compile's CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers:
@@ -30,6 +30,7 @@ from fadam.quantization._codec import map_pair
 from fadam.quantization._maps import _GRIDS, _SIZE, Tables
 
 _SOURCE = Path(__file__).with_name("_adam_rows.cpp")
+_PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # param_dtype in the source
 _SEGMENTS = 8  # kSegments in the source
 # Compiler flags per ATen CPU capability: the vector width and, above all, whether a multiply-add is fused.
 _ISA_FLAGS = {
@@ -61,7 +62,7 @@ class _Args(ctypes.Structure):
         ("v_grid", _Grid),
         ("rows", ctypes.c_int64),
         ("block", ctypes.c_int64),
-        *((name, ctypes.c_int32) for name in ("bits", "maximize", "coupled_decay", "decoupled_decay")),
+        *((name, ctypes.c_int32) for name in ("bits", "param_dtype", "maximize", "coupled_decay", "decoupled_decay")),
         *(
             (name, ctypes.c_float)
             for name in ("b1_weight", "b2", "one_minus_b2", "eps", "weight_decay", "lr", "bc1", "bc2_sqrt", "factor")
@@ -155,6 +156,7 @@ def step_rows(
         p.shape[0],
         p.shape[1],
         bits,
+        _PARAM_DTYPES[p.dtype],
         bool(maximize),
         bool(weight_decay) and not decoupled,
         bool(weight_decay) and decoupled,
@@ -169,7 +171,10 @@ def step_rows(
         factor,
     )
     if _library()(ctypes.byref(args)) != 0:
-        raise ValueError(f"the quantized Adam CPU kernel takes 8 bits or 4 bits with an even block, got {bits} bits")
+        raise ValueError(
+            f"the quantized Adam CPU kernel takes 8 or 4 bits (an even block) and float32 or bfloat16 params, got "
+            f"{bits} bits, block {p.shape[1]}, {p.dtype}"
+        )
 
 
 def usable(
@@ -183,12 +188,15 @@ def usable(
     v_map: torch.Tensor,
     out: torch.Tensor | None,
 ) -> bool:
-    """Whether ``step_rows`` can run on these row views: float32 params, uint8 codes and float32 absmax on the CPU,
-    all contiguous, and a library that built."""
-    floats = [p, g, m_absmax, m_map, v_absmax, v_map, *([] if out is None else [out])]
+    """Whether ``step_rows`` can run on these row views: float32 or bfloat16 params (and gradients, updates), uint8
+    codes and float32 absmax on the CPU, all contiguous, and a library that built."""
+    params = [p, g, *([] if out is None else [out])]
+    tensors = [*params, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map]
     return (
-        all(t.dtype == torch.float32 for t in floats)
+        p.dtype in _PARAM_DTYPES
+        and all(t.dtype == p.dtype for t in params)
         and m_codes.dtype == v_codes.dtype == torch.uint8
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in (*floats, m_codes, v_codes))
+        and m_absmax.dtype == m_map.dtype == v_absmax.dtype == v_map.dtype == torch.float32
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
         and _library() is not None
     )
