@@ -236,8 +236,16 @@ void pack_nibbles(const uint8_t* __restrict codes, uint8_t* __restrict packed, i
 // Rows whose square roots are taken in one call (about 4096 elements): the call costs more than a row's work.
 constexpr int64_t kGroupElements = 4096;
 
-template <typename P, bool kMaximize, bool kCoupled, bool kDecoupled, bool kToOut>
-void run(const Args& a) {
+template <typename P>
+using MomentsRow = void (*)(const Args&, const typename P::Storage*, const typename P::Storage*, const uint8_t*,
+                            const uint8_t*, float, float, float*, float*, int32_t*, int32_t*);
+template <typename P>
+using FinishRow = void (*)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*,
+                           const float*, float, float, uint8_t*, uint8_t*);
+
+// The row functions come chosen for the flags (templates each, for the vectorizer); the driver is one per dtype.
+template <typename P>
+void run(const Args& a, MomentsRow<P> moments_row, FinishRow<P> finish_row) {
   using Storage = typename P::Storage;
   Storage* params = static_cast<Storage*>(a.p);
   const Storage* grads = static_cast<const Storage*>(a.g);
@@ -263,9 +271,8 @@ void run(const Args& a) {
           v_in = v_out;
         }
         int32_t m_max, v_max;
-        moments_row<P, kMaximize, kCoupled>(a, params + r * block, grads + r * block, m_in, v_in, a.m_absmax[r],
-                                            a.v_absmax[r], m.data() + j * block, v.data() + j * block, &m_max,
-                                            &v_max);
+        moments_row(a, params + r * block, grads + r * block, m_in, v_in, a.m_absmax[r], a.v_absmax[r],
+                    m.data() + j * block, v.data() + j * block, &m_max, &v_max);
         m_absmax[j] = from_bits(m_max);
         v_absmax[j] = from_bits(v_max);
       }
@@ -276,9 +283,8 @@ void run(const Args& a) {
         uint8_t* v_out = a.bits == 8 ? a.v_codes + r * code_width : v_codes.data() + j * block;
         const float m_scale = m_absmax[j] > 0.0f ? m_absmax[j] : 1.0f;
         const float v_scale = v_absmax[j] > 0.0f ? v_absmax[j] : 1.0f;
-        finish_row<P, kDecoupled, kToOut>(a, params + r * block, kToOut ? updates + r * block : nullptr,
-                                          m.data() + j * block, v.data() + j * block, root.data() + j * block,
-                                          m_scale, v_scale, m_out, v_out);
+        finish_row(a, params + r * block, updates == nullptr ? nullptr : updates + r * block, m.data() + j * block,
+                   v.data() + j * block, root.data() + j * block, m_scale, v_scale, m_out, v_out);
         if (a.bits == 4) {
           pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
           pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
@@ -298,16 +304,19 @@ void with_flag(bool flag, F&& f) {
 
 template <typename P>
 void dispatch(const Args& a) {
+  MomentsRow<P> moments = nullptr;
+  FinishRow<P> finish = nullptr;
   with_flag(a.maximize, [&](auto maximize) {
     with_flag(a.coupled_decay, [&](auto coupled) {
-      with_flag(a.decoupled_decay, [&](auto decoupled) {
-        with_flag(a.out != nullptr, [&](auto to_out) {
-          run<P, decltype(maximize)::value, decltype(coupled)::value, decltype(decoupled)::value,
-              decltype(to_out)::value>(a);
-        });
-      });
+      moments = &moments_row<P, decltype(maximize)::value, decltype(coupled)::value>;
     });
   });
+  with_flag(a.decoupled_decay, [&](auto decoupled) {
+    with_flag(a.out != nullptr, [&](auto to_out) {
+      finish = &finish_row<P, decltype(decoupled)::value, decltype(to_out)::value>;
+    });
+  });
+  run<P>(a, moments, finish);
 }
 
 }  // namespace
