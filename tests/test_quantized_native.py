@@ -41,7 +41,8 @@ def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
         out = torch.full((rows, block), float("nan"), dtype=dtype) if to_out else None
         p_rows, mc, ma, vc, va = state
         maps = (map_values(m_map, tables), map_values(v_map, tables))
-        kernel(p_rows, g.view(rows, block), mc, ma, maps[0], vc, va, maps[1], scalars, tables, config, bits, out=out)
+        views = _fused.Rows(p_rows, g.view(rows, block), mc, ma, maps[0], vc, va, maps[1])
+        kernel(views, scalars, tables, config, bits, out=out)
         results.append({"p": p_rows, "m_codes": mc, "m_absmax": ma, "v_codes": vc, "v_absmax": va, "out": out})
     return results
 
@@ -74,7 +75,7 @@ def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
 def test_step_runs_the_native_kernel_for_float32_and_bfloat16_cpu_params(unfused, monkeypatch):
     calls = []
     native_step = _native.step_rows
-    monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(a[0].dtype) or native_step(*a, **k))
+    monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(a[0].p.dtype) or native_step(*a, **k))
     params = {"w": torch.randn(40, 64), "b": torch.randn(700).to(torch.bfloat16), "h": torch.randn(700).half()}
     tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
@@ -127,8 +128,8 @@ def test_native_kernel_breaks_ties_at_midpoints_as_the_codec(bits):
         scalars = tuple(torch.tensor(x) for x in (1e-3, 1.0, 1.0, 1.0))
         maps = (map_values(m_map, tables), map_values(v_map, tables))
         config = (0.0, 0.999, 1e-8, 0.0, False, False)
-        kernel(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1], scalars, tables,
-               config, bits)  # fmt: skip
+        views = _fused.Rows(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1])
+        kernel(views, scalars, tables, config, bits)
         results.append(m_codes)
     assert torch.equal(results[0], results[1])
 

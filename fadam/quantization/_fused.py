@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -134,15 +134,22 @@ def _rows_finish(
 _CHUNK = 1 << 20
 
 
+class Rows(NamedTuple):
+    """One leaf's ``(rows, block_size)`` views (codes: ``(rows, block_size * bits / 8)``) and its moments' stored
+    maps (256 values each): what a row kernel reads, and updates in place."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    m_codes: torch.Tensor
+    m_absmax: torch.Tensor
+    m_map: torch.Tensor
+    v_codes: torch.Tensor
+    v_absmax: torch.Tensor
+    v_map: torch.Tensor
+
+
 def _rows_step_inplace(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    m_map: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    v_map: torch.Tensor,
+    views: Rows,
     scalars: tuple[torch.Tensor, ...],
     tables: Tables,
     config: tuple,
@@ -150,10 +157,11 @@ def _rows_step_inplace(
     out: torch.Tensor | None = None,
     kernels: tuple[Callable[..., Any], ...] = (_rows_moments, _rows_finish),
 ) -> None:
-    """One step of ``(rows, block_size)`` views, in place, chunk by chunk: the new param goes into ``p``, or, given
-    ``out`` (p's rows), the update goes there and ``p`` is only read. Two kernels per chunk rather than one: the
-    absmax needs the whole row before any code, and one compiled kernel does that as two loops over the rows that both
-    decode the codes (four of its six table reads); here the first kernel's moments are reused from the cache."""
+    """One step of the row views, in place, chunk by chunk: the new param goes into ``p``, or, given ``out`` (p's
+    rows), the update goes there and ``p`` is only read. Two kernels per chunk rather than one: the absmax needs the
+    whole row before any code, and one compiled kernel does that as two loops over the rows that both decode the codes
+    (four of its six table reads); here the first kernel's moments are reused from the cache."""
+    p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     moments, finish = kernels
     step = max(1, _CHUNK // p.shape[-1])
     for start in range(0, p.shape[0], step):
@@ -327,15 +335,15 @@ def fused_quantized_adam_step(
             m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
             tables = tables_on(device)
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
-            views = (p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
+            views = Rows(p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
             if not compile:
                 run = _rows_step_inplace
-            elif native.usable(*views, out_rows):
+            elif native.usable(views, out_rows):
                 run = native.step_rows
             else:
                 run = _kernel()
-            run(*views, scalars, tables, config, bits, out=out_rows)
+            run(views, scalars, tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
         new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
         new_v_map = torch.full_like(v.map_id, unsigned)

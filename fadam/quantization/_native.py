@@ -23,11 +23,15 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fadam.quantization._codec import map_pair
 from fadam.quantization._maps import _GRIDS, _SIZE, Tables
+
+if TYPE_CHECKING:  # _fused imports this module
+    from fadam.quantization._fused import Rows
 
 _SOURCE = Path(__file__).with_name("_adam_rows.cpp")
 _PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # param_dtype in the source
@@ -128,14 +132,7 @@ def _grid(map_id: int, thresholds: torch.Tensor) -> _Grid:
 
 
 def step_rows(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    m_map: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    v_map: torch.Tensor,
+    views: Rows,
     scalars: tuple[torch.Tensor, ...],
     tables: Tables,
     config: tuple,
@@ -143,6 +140,7 @@ def step_rows(
     out: torch.Tensor | None = None,
 ) -> None:
     """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``."""
+    p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     b1, b2, eps, weight_decay, decoupled, maximize = config
     thresholds = tables[2]
     signed, unsigned = map_pair(bits)
@@ -177,26 +175,16 @@ def step_rows(
         )
 
 
-def usable(
-    p: torch.Tensor,
-    g: torch.Tensor,
-    m_codes: torch.Tensor,
-    m_absmax: torch.Tensor,
-    m_map: torch.Tensor,
-    v_codes: torch.Tensor,
-    v_absmax: torch.Tensor,
-    v_map: torch.Tensor,
-    out: torch.Tensor | None,
-) -> bool:
+def usable(views: Rows, out: torch.Tensor | None) -> bool:
     """Whether ``step_rows`` can run on these row views: float32 or bfloat16 params (and gradients, updates), uint8
     codes and float32 absmax on the CPU, all contiguous, and a library that built."""
-    params = [p, g, *([] if out is None else [out])]
-    tensors = [*params, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map]
+    params = [views.p, views.g, *([] if out is None else [out])]
+    floats = [views.m_absmax, views.m_map, views.v_absmax, views.v_map]
     return (
-        p.dtype in _PARAM_DTYPES
-        and all(t.dtype == p.dtype for t in params)
-        and m_codes.dtype == v_codes.dtype == torch.uint8
-        and m_absmax.dtype == m_map.dtype == v_absmax.dtype == v_map.dtype == torch.float32
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        views.p.dtype in _PARAM_DTYPES
+        and all(t.dtype == views.p.dtype for t in params)
+        and views.m_codes.dtype == views.v_codes.dtype == torch.uint8
+        and all(t.dtype == torch.float32 for t in floats)
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (*params, *floats, views.m_codes, views.v_codes))
         and _library() is not None
     )
