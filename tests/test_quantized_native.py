@@ -142,3 +142,20 @@ def test_the_build_finds_the_ninja_package_off_path(monkeypatch):
     with _native._ninja_on_path():
         assert _native.os.environ["PATH"].split(_native.os.pathsep)[0] == ninja.BIN_DIR
     assert _native.os.environ["PATH"] == "/nowhere"
+
+
+def test_under_torch_compile_the_step_traces_the_torch_kernels(monkeypatch):
+    calls = []
+    native_step = _native.step_rows
+    monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(1) or native_step(*a, **k))
+    params, grads = {"w": torch.randn(64, 256)}, {"w": torch.randn(64, 256)}
+    tx = fadam.adamw8bit(lr=1e-2, min_size=100)
+
+    def step(p, g, s):
+        return fadam.step(tx, p, g, s)
+
+    expected, _ = step(params, grads, tx.init(params))
+    assert calls == [1]
+    compiled, _ = torch.compile(step, backend="eager")(params, grads, tx.init(params))
+    assert calls == [1]  # traced code keeps the torch kernels: a ctypes call would break the graph
+    torch.testing.assert_close(compiled["w"], expected["w"], rtol=0, atol=1e-6)

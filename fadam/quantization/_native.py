@@ -177,7 +177,10 @@ def step_rows(
 
 def usable(views: Rows, out: torch.Tensor | None) -> bool:
     """Whether ``step_rows`` can run on these row views: float32 or bfloat16 params (and gradients, updates), uint8
-    codes and float32 absmax on the CPU, all contiguous, and a library that built."""
+    codes and float32 absmax on the CPU, all contiguous, a library that built, and no torch.compile tracing (a
+    ctypes call would break its graph; the torch kernels trace)."""
+    if torch.compiler.is_compiling():
+        return False
     params = [views.p, views.g, *([] if out is None else [out])]
     floats = [views.m_absmax, views.m_map, views.v_absmax, views.v_map]
     return (
