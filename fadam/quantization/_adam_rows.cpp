@@ -1,5 +1,5 @@
-// The quantized Adam step on the CPU, one pass per block: decode a block's codes, update its moments and param,
-// find the block's new absmax and encode the moments for it. Built on first use by fadam/quantization/_native.py
+// The quantized Adam step on the CPU, one pass over memory per block: decode a block's codes, update its moments and
+// param, find the block's new absmax and encode the moments for it. Built on first use by fadam/quantization/_native.py
 // (torch.utils.cpp_extension, this file only) and called through ctypes with the pointers of contiguous tensors.
 //
 // The arithmetic is the chain's, operation by operation and in float32, so that results equal the eager kernels in

@@ -96,7 +96,7 @@ def _ninja_on_path() -> Iterator[None]:
 
 
 @functools.cache
-def _library() -> Callable[[ctypes.c_void_p], int] | None:
+def _library() -> Callable[..., int] | None:
     capability = torch.backends.cpu.get_cpu_capability()
     try:
         from torch.utils import cpp_extension
