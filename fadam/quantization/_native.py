@@ -122,13 +122,19 @@ def _library() -> Callable[..., int] | None:
     return function
 
 
-def _grid(map_id: int, thresholds: torch.Tensor) -> _Grid:
-    grid = _GRIDS[map_id]
-    padding = [(float("inf"), 0.0, 0.0)] * (_SEGMENTS - len(grid.segments))
-    lo, m, k = zip(*grid.segments, *padding)
-    mids = thresholds.data_ptr() + (map_id * _SIZE + grid.zero) * thresholds.element_size()
-    floats = ctypes.c_float * _SEGMENTS
-    return _Grid(floats(*lo), floats(*m), floats(*k), mids, grid.zero, grid.top)
+@functools.cache
+def _grids(bits: int, thresholds_address: int) -> tuple[_Grid, _Grid]:
+    """The encoders of the maps m and v are written with (signed, non-negative), for the CPU thresholds table at
+    ``thresholds_address`` (a cached constant: built once a step would cost ~25 us a leaf)."""
+    grids = []
+    for map_id in map_pair(bits):
+        grid = _GRIDS[map_id]
+        padding = [(float("inf"), 0.0, 0.0)] * (_SEGMENTS - len(grid.segments))
+        lo, m, k = zip(*grid.segments, *padding)
+        mids = thresholds_address + (map_id * _SIZE + grid.zero) * 4  # float32 midpoints
+        floats = ctypes.c_float * _SEGMENTS
+        grids.append(_Grid(floats(*lo), floats(*m), floats(*k), mids, grid.zero, grid.top))
+    return grids[0], grids[1]
 
 
 def step_rows(
@@ -142,15 +148,14 @@ def step_rows(
     """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     b1, b2, eps, weight_decay, decoupled, maximize = config
-    thresholds = tables[2]
-    signed, unsigned = map_pair(bits)
+    m_grid, v_grid = _grids(bits, tables[2].data_ptr())
     lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
     args = _Args(
         *(t.data_ptr() if t is not None else None for t in (p, g, out, m_codes, m_absmax, v_codes, v_absmax)),
         m_map.data_ptr(),
         v_map.data_ptr(),
-        _grid(signed, thresholds),
-        _grid(unsigned, thresholds),
+        m_grid,
+        v_grid,
         p.shape[0],
         p.shape[1],
         bits,
