@@ -8,9 +8,6 @@ checkpoints into this single process (resharding from 2 ranks to 1).
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,25 +27,13 @@ from tests.fsdp_worker import (
     train,
     train_on_grads,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import ROOT, run_ranks
 
 
 @pytest.fixture(scope="module")
 def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(
-        [*command, str(ROOT / "tests" / "fsdp_worker.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_ranks(2, ROOT / "tests" / "fsdp_worker.py", str(out))
     return out, torch.load(out / "results.pt", weights_only=False)
 
 
