@@ -67,21 +67,27 @@ def test_block_size_is_recovered_from_a_shard(mesh: object, n: int, block: int) 
     assert torch.equal(dequantize_sharded(q, 8, recovered).to_local(), dequantize_sharded(q, 8, block).to_local())
 
 
+def _train_both(tx, reference, mesh, params, state, plain, plain_state):
+    """Three steps on the same gradients: ``fadam.step(tx)`` on the DTensors (donating every other step) and
+    ``reference.update`` + ``apply_updates`` on the plain tensors."""
+    for seed in range(3):
+        grads = _grads(mesh, seed)
+        params, state = fadam.step(tx, params, grads, state, donate=seed % 2 == 1)
+        updates, plain_state = reference.update({k: v.full_tensor() for k, v in grads.items()}, plain_state, plain)
+        plain = fadam.apply_updates(plain, updates)
+    return params, state, plain, plain_state
+
+
 def test_adamw8bit_on_one_rank_dtensors_equals_plain_tensors(mesh: object, unfused) -> None:
-    """One rank holds the one-process blocks, so the math is the same bit for bit. The reference is the chain (on
-    plain tensors ``fadam.step`` and ``update`` run compiled kernels that round differently); on DTensors neither
-    fuses."""
+    """One rank holds the one-process blocks, so the math is the same bit for bit. The reference is the chain, which
+    DTensors run (they never take the fused kernels)."""
     tx = fadam.adamw8bit(1e-2, min_size=100, block_size=128)
     chain = unfused(fadam.adamw8bit, 1e-2, min_size=100, block_size=128)
     params = _params(mesh)
     plain = {k: v.full_tensor() for k, v in params.items()}
     state, plain_state = tx.init(params), tx.init(plain)
     assert is_sharded(state[0].inner_state.mu["w"]) and type(state[0].inner_state.mu["b"]).__name__ == "DTensor"
-    for seed in range(3):
-        grads = _grads(mesh, seed)
-        params, state = fadam.step(tx, params, grads, state, donate=seed % 2 == 1)
-        updates, plain_state = chain.update({k: v.full_tensor() for k, v in grads.items()}, plain_state, plain)
-        plain = fadam.apply_updates(plain, updates)
+    params, state, plain, plain_state = _train_both(tx, chain, mesh, params, state, plain, plain_state)
     for key in plain:
         assert torch.equal(params[key].full_tensor(), plain[key]), key
     assert torch.equal(
@@ -111,11 +117,7 @@ def test_adamw4bit_on_one_rank_dtensors_equals_plain_tensors_and_reloads(mesh: o
     params = _params(mesh)
     plain = {k: v.full_tensor() for k, v in params.items()}
     state, plain_state = tx.init(params), tx.init(plain)
-    for seed in range(3):
-        grads = _grads(mesh, seed)
-        params, state = fadam.step(tx, params, grads, state, donate=seed % 2 == 1)
-        updates, plain_state = tx.update({k: v.full_tensor() for k, v in grads.items()}, plain_state, plain)
-        plain = fadam.apply_updates(plain, updates)
+    params, state, plain, plain_state = _train_both(tx, tx, mesh, params, state, plain, plain_state)
     for key in plain:
         assert torch.equal(params[key].full_tensor(), plain[key]), key
     for field in ("mu", "nu", "nu_max"):

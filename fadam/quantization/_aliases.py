@@ -61,7 +61,7 @@ def _quantized_adam(
     def update(
         updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, PyTree]:
-        # the compiled kernels when the tensors allow them, else the chain (which ignores extra_args too)
+        # the fused kernels when the tensors allow them, else the chain (which ignores extra_args too)
         result = fused_update(updates, state, params)
         return tx.update(updates, state, params, **extra_args) if result is None else result
 
