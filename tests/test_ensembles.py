@@ -67,7 +67,7 @@ def test_vmap_equals_separate_runs(make: Callable[[], fadam.GradientTransformati
     members = _members()
     params = {k: v.detach() for k, v in stack_module_state(members)[0].items()}
     loss, xs, tx = _loss(members[0]), _batches(), make()
-    # vmap takes the quantized aliases' chain, so the reference run alone does too (their compiled kernels round differently)
+    # vmap takes the quantized aliases' chain, so the reference run alone does too (compiled kernels round differently)
     alone_tx = unfused(make)
 
     state = vmap(tx.init)(params)

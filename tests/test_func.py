@@ -207,7 +207,7 @@ def test_stacked_models_trained_by_one_vmapped_update(build, unfused):
     def loss(params: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(functional_call(skeleton, params, (xb,)), yb)
 
-    # vmap takes the quantized aliases' chain, so the reference run alone does too (their compiled kernels round differently)
+    # vmap takes the quantized aliases' chain, so the reference run alone does too (compiled kernels round differently)
     tx, alone_tx = build(), unfused(build)
 
     def train_step(tx: fadam.GradientTransformation) -> Callable[..., tuple[dict, Any]]:

@@ -16,17 +16,18 @@ import fadam
 from fadam.quantization import QuantizedArray, _fused, _native, dequantize_blockwise
 
 
-@pytest.fixture(params=["native", "torch"])
-def kernel(request, monkeypatch) -> str:
-    """Which kernel float32 CPU params take: the C++ one, or (as all other params do) the torch.compile ones."""
-    if request.param == "torch":
-        monkeypatch.setattr(_native, "usable", lambda *args: False)
-    return request.param
-
-
 @pytest.fixture
 def torch_kernels(monkeypatch) -> None:
+    """CPU params take the torch.compile kernels, as float16 and GPU params do, instead of the C++ one."""
     monkeypatch.setattr(_native, "usable", lambda *args: False)
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request) -> str:
+    """Which kernel float32 CPU params take: the C++ one, or the torch.compile ones."""
+    if request.param == "torch":
+        request.getfixturevalue("torch_kernels")
+    return request.param
 
 
 def dequantized_moments(state, params, bits, block):
