@@ -31,13 +31,16 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad) wraps ``tensor``. While torch.compile traces, the check cannot be
+    traced (a graph break) and the answer is ``True``: callers then take the path that is valid for any tensor, which
+    the compiled graph fuses anyway."""
+    return torch.compiler.is_compiling() or _functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def is_plain_type(tensor: torch.Tensor) -> bool:
     """A dense ``torch.Tensor`` or ``nn.Parameter``: no other subclass, no functorch wrapper (autograd may track it)."""
-    return (
-        type(tensor) in _PLAIN_TYPES
-        and tensor.layout == torch.strided
-        and not _functorch.is_functorch_wrapped_tensor(tensor)
-    )
+    return type(tensor) in _PLAIN_TYPES and tensor.layout == torch.strided and not functorch_wrapped(tensor)
 
 
 def is_plain(tensor: torch.Tensor) -> bool:

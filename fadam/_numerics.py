@@ -5,7 +5,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._C import _functorch
+
+from fadam._dispatch import functorch_wrapped
 
 _INT32_MAX = torch.iinfo(torch.int32).max
 
@@ -73,8 +74,8 @@ def no_zero_on_cpu(x: torch.Tensor) -> bool:
     """Whether ``x`` is a plain CPU tensor (not traced, vmapped or compiled) whose elements are all > 0."""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or not x.numel():
         return False
-    if _functorch.is_functorch_wrapped_tensor(x) or torch.compiler.is_compiling():
-        return False  # data-dependent control flow is not allowed there
+    if functorch_wrapped(x):
+        return False  # data-dependent control flow is not allowed there (nor under torch.compile)
     return torch.amin(x.detach()).item() > 0  # NaN or a negative value also take the general path
 
 
@@ -109,7 +110,7 @@ def host_number(value: float | torch.Tensor | None) -> float | torch.Tensor | No
         or value.dim()
         or value.device.type != "cpu"
         or value.requires_grad
-        or _functorch.is_functorch_wrapped_tensor(value)
+        or functorch_wrapped(value)
     ):
         return value
     return value.item()
@@ -123,10 +124,6 @@ def for_leaf(value: float | torch.Tensor, leaf: torch.Tensor) -> float | torch.T
     an accelerator's tensors, so it is copied to the leaf's device (a few bytes; no host sync for a host-to-device
     copy). Anything else is returned as it is.
     """
-    if (
-        isinstance(value, torch.Tensor)
-        and value.device != leaf.device
-        and _functorch.is_functorch_wrapped_tensor(value)
-    ):
+    if isinstance(value, torch.Tensor) and value.device != leaf.device and functorch_wrapped(value):
         return value.to(leaf.device, non_blocking=leaf.device.type != "cpu")
     return value

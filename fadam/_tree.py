@@ -110,7 +110,10 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
         return torch.zeros([])
     # autograd or torch.func.grad records the norm: the formulation whose higher derivatives are finite (under vmap
     # alone the plain one is kept, so that a vmapped norm equals the per-member ones bit for bit)
-    traced = any(_functorch.is_gradtrackingtensor(x) or (x.requires_grad and torch.is_grad_enabled()) for x in leaves)
+    # (under torch.compile, which cannot trace the functorch check, too: it is valid for any tensor)
+    traced = torch.compiler.is_compiling() or any(
+        _functorch.is_gradtrackingtensor(x) or (x.requires_grad and torch.is_grad_enabled()) for x in leaves
+    )
     squares = []
     for x in leaves:
         if traced and not is_dtensor(x):

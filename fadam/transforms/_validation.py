@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch._C import _functorch
+
+from fadam._dispatch import functorch_wrapped
 
 
 def _value(x: float | torch.Tensor) -> float:
     if isinstance(x, torch.Tensor):
         # inside vmap/grad or while compiling the value cannot be read without a graph break; it is checked outside
-        if torch.compiler.is_compiling() or _functorch.is_functorch_wrapped_tensor(x):
+        if functorch_wrapped(x):
             return 0.0
         return float(x.detach())
     return float(x)
@@ -17,7 +18,7 @@ def _value(x: float | torch.Tensor) -> float:
 
 def known_value(x: float | torch.Tensor, unknown: float) -> float:
     """The value of a hyperparameter, or ``unknown`` inside ``torch.func`` transforms where it cannot be read."""
-    if isinstance(x, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(x):
+    if isinstance(x, torch.Tensor) and functorch_wrapped(x):
         return unknown
     return _value(x)
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from torch.func import grad, vmap
 
 import fadam
-from tests.conformance.table import ALL_ROWS, Row
+from tests.conformance.table import ALL_ROWS, VALUE_ROWS, Row
 from tests.tree_checks import max_rel_err, tensor_leaves
 
 TORCH_ROWS = [row for row in ALL_ROWS if row.reference == "torch"]
@@ -238,3 +239,30 @@ def test_parity_with_torch_reference(row, dtype):
         for mode, (p, _) in runs.items():
             err, where = max_rel_err(p, ref)
             assert err <= tol, f"{mode}, step {index}: relative error {err:.2e} at {where}"
+
+
+@pytest.mark.parametrize("mode", ["update", "step"])
+@pytest.mark.parametrize("row", VALUE_ROWS, ids=str)
+def test_compiles_into_one_graph(row, mode):
+    """``torch.compile(fullgraph=True)`` traces a whole step (``update`` and ``apply_updates``, or ``fadam.step``)
+    without a graph break, compiles once for all steps (the count is a tensor), and gives the eager results. Paged
+    rows keep their state in storage outside the traced tensors and are not compiled."""
+    params = _tree(torch.float64, row.complex_params)
+    grads = _grads(params, 3)
+    tx = row.build()
+    torch.compiler.reset()  # one code object per row's train_step: rows would add up to dynamo's recompile limit
+    counter = CompileCounter()  # runs the traced graph eagerly: this checks tracing, not inductor's code
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def train_step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        if mode == "step":
+            return fadam.step(tx, params, grads, state)
+        updates, state = tx.update(grads, state, params)
+        return fadam.apply_updates(params, updates), state
+
+    compiled, state = params, tx.init(params)
+    for g in grads:
+        compiled, state = train_step(compiled, g, state)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} graphs for 3 steps"
+    err, where = max_rel_err(compiled, _run(row, params, grads, mode)[0])
+    assert err <= 1e-12, f"compiled run differs from eager by {err:.2e} at {where}"
