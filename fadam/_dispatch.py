@@ -32,9 +32,11 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def functorch_wrapped(tensor: torch.Tensor) -> bool:
-    """Whether a ``torch.func`` transform (vmap, grad) wraps ``tensor``. While torch.compile traces, the check cannot be
-    traced (a graph break) and the answer is ``True``: callers then take the path that is valid for any tensor, which
-    the compiled graph fuses anyway."""
+    """Whether a ``torch.func`` transform (vmap, grad) wraps ``tensor``. torch.compile cannot trace that check (a graph
+    break), nor tell reliably whether a transform is active, so while it traces the answer is ``True``: callers take the
+    per-leaf path, valid for any tensor, which the compiled graph fuses. (Answering from what it can trace, a vmap
+    batch or ``requires_grad``, sent the fused kernels into compiled graphs, where inductor refused them, and gave
+    wrong gradients through a compiled ``torch.func.grad`` of ``fadam.step``.)"""
     return torch.compiler.is_compiling() or _functorch.is_functorch_wrapped_tensor(tensor)
 
 
