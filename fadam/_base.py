@@ -196,7 +196,7 @@ def step(
         return apply_updates(params, updates), new_state
     if torch.compiler.is_compiling():
         # Results copied into the donated buffers: inductor then writes them there from its fused kernel, with no fresh
-        # param-sized allocations (compiled Adam step, 16.8M params, 2 CPU threads: 11 ms against 57 ms). The state
+        # param-sized allocations (compiled AdamW step, 16.8M params, 2 CPU threads: 23 ms against 78 ms). The state
         # first: a new state leaf may be an old param itself, never the reverse.
         new_state = _write_into(state, new_state)
         return _write_into(params, apply_updates(params, updates)), new_state
