@@ -176,7 +176,9 @@ def step(
     step allocates no new param-sized tensors; read only the returned values afterwards. DTensor params (FSDP2) are
     updated in place shard by shard, so a sharded module's own parameters hold the result. Either way, when ``tx`` is an
     alias that matches a fused torch kernel (``adam``, ``adamw``, ``sgd``) and the tensors allow it, the step runs that
-    kernel; otherwise it runs ``tx.update`` and adds the updates. Inputs are checked before anything is written.
+    kernel; otherwise it runs ``tx.update`` and adds the updates. Inputs are checked before anything is written. Under
+    ``torch.compile`` the step traces ``tx.update`` (inductor fuses it), and with ``donate=True`` copies the results
+    into the given buffers, which inductor then writes directly.
 
     Example:
         >>> import torch, fadam
