@@ -6,6 +6,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import optree
+import torch
 
 from fadam._base import GradientTransformation
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
@@ -26,11 +27,31 @@ class PartitionState(NamedTuple):
 def _full_tree(prefix_or_fn: PyTree | Callable[[PyTree], PyTree], tree: PyTree, what: str) -> list[Any]:
     """Leaves of ``prefix_or_fn`` (a callable of ``tree``, or a prefix tree of it) broadcast to ``tree``'s leaves."""
     prefix = prefix_or_fn(tree) if callable(prefix_or_fn) else prefix_or_fn
+    if torch.compiler.is_compiling():
+        return _leaves_by_path(prefix, tree, what)
     try:
         full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True)
     except ValueError as err:
         raise ValueError(f"{what} is not a prefix of the params tree: {err}") from None
     return tree_flatten(full)[0]
+
+
+def _leaves_by_path(prefix: PyTree, tree: PyTree, what: str) -> list[Any]:
+    """``_full_tree`` for torch.compile, which cannot flatten a tree of constants (a mask) with optree: each of
+    ``tree``'s leaves looks its value up in ``prefix`` along its path. Prefix containers are dicts, lists and tuples
+    (named or not); ``init``, which runs eagerly, has checked the prefix with optree."""
+    values = []
+    for path in optree.tree_paths(tree, none_is_leaf=True):
+        node = prefix
+        for key in path:
+            if not isinstance(node, (dict, list, tuple)):
+                break
+            try:
+                node = node[key]
+            except (KeyError, IndexError):
+                raise ValueError(f"{what} is not a prefix of the params tree: no entry for {path_str(path)}") from None
+        values.append(node)
+    return values
 
 
 def _select(tree: PyTree, selected: list[bool]) -> PyTree:
@@ -65,6 +86,12 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
                 path = path_str(optree.tree_paths(tree, none_is_leaf=True)[index])
                 raise TypeError(f"mask leaf for {path} is {flag!r}; expected a bool")
         return flags
+
+    return _masked_by(inner, selection)
+
+
+def _masked_by(inner: GradientTransformation, selection: Callable[[PyTree], list[bool]]) -> GradientTransformation:
+    """``masked`` with the selection given as a function ``tree -> one bool per leaf``."""
 
     def init(params: PyTree) -> MaskedState:
         return MaskedState(inner.init(_select(params, selection(params))))
@@ -106,18 +133,18 @@ def partition(
         tensor([0.])
     """
 
-    def label_mask(label: Hashable) -> Callable[[PyTree], PyTree]:
-        def mask(tree: PyTree) -> PyTree:
-            labels = _full_tree(param_labels, tree, "param_labels")
-            for index, leaf_label in enumerate(labels):
-                if leaf_label not in transforms:
-                    path = path_str(optree.tree_paths(tree, none_is_leaf=True)[index])
-                    raise ValueError(f"label {leaf_label!r} of {path} has no transform; known: {list(transforms)}")
-            return tree_flatten(tree)[1].unflatten([leaf_label == label for leaf_label in labels])
+    def labels_of(tree: PyTree) -> list[Hashable]:
+        labels = _full_tree(param_labels, tree, "param_labels")
+        for index, leaf_label in enumerate(labels):
+            if leaf_label not in transforms:
+                path = path_str(optree.tree_paths(tree, none_is_leaf=True)[index])
+                raise ValueError(f"label {leaf_label!r} of {path} has no transform; known: {list(transforms)}")
+        return labels
 
-        return mask
+    def label_selection(label: Hashable) -> Callable[[PyTree], list[bool]]:
+        return lambda tree: [leaf_label == label for leaf_label in labels_of(tree)]
 
-    masked_transforms = {label: masked(tx, label_mask(label)) for label, tx in transforms.items()}
+    masked_transforms = {label: _masked_by(tx, label_selection(label)) for label, tx in transforms.items()}
 
     def init(params: PyTree) -> PartitionState:
         return PartitionState({label: tx.init(params) for label, tx in masked_transforms.items()})

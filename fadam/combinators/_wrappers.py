@@ -117,8 +117,10 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
     def init(params: PyTree) -> ApplyIfFiniteState:
         device = _device_of(params)
-        zero = torch.zeros((), dtype=torch.int32, device=device)
-        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool, device=device), zero, inner.init(params))
+        # two tensors, not one twice: a state whose leaves alias each other makes torch.compile recompile after step 1
+        consecutive, total = (torch.zeros((), dtype=torch.int32, device=device) for _ in range(2))
+        last_finite = torch.ones((), dtype=torch.bool, device=device)
+        return ApplyIfFiniteState(consecutive, last_finite, total, inner.init(params))
 
     def decide(updates: PyTree, state: ApplyIfFiniteState) -> tuple[torch.Tensor, ...]:
         """(finite, new consecutive count, new total, whether the inner step applies)."""
