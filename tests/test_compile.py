@@ -136,3 +136,22 @@ def test_compiled_donation_does_not_write_a_buffer_donated_twice():
         params, state = train_step(params, {"w": g}, state)
         counts.append((int(state.notfinite_count), int(state.total_notfinite)))
     assert counts == [(1, 1), (0, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+def test_paged_state_runs_eagerly_inside_a_compiled_step(donate):
+    """page_state streams chunks outside any graph: a compiled step breaks the graph around it and runs it eagerly,
+    giving the unpaged results; with fullgraph=True dynamo's error names page_state."""
+    tx, reference = fadam.paged_adam(1e-2, chunk_bytes=256), fadam.adam(1e-2)
+    train_step = torch.compile(lambda p, g, s: fadam.step(tx, p, g, s, donate=donate), backend="eager")
+    params, expected = _params(), _params()
+    state, expected_state = tx.init(params), reference.init(expected)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = fadam.tree_map(lambda p: torch.randn(p.shape, generator=gen), params)
+        params, state = train_step(params, grads, state)
+        expected, expected_state = fadam.step(reference, expected, grads, expected_state)
+    assert max_rel_err(params, expected)[0] == 0.0
+    whole_graph = torch.compile(lambda p, g, s: fadam.step(tx, p, g, s), backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="page_state"):
+        whole_graph(params, grads, state)

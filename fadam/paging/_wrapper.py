@@ -530,7 +530,12 @@ def page_state(
         new_state = run(grads, state, params, {}, apply, fused if inner_fused is not None else None, donate)
         return spec.unflatten(new_params), new_state
 
-    return GradientTransformation(init, FusibleUpdate(update, fused_step))
+    # Chunks stream between host memory or a file and the device through Python, outside any graph: inside a compiled
+    # step these run eagerly (a graph break; with fullgraph=True, dynamo's error names the reason).
+    def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch.compiler.disable(fn, reason="page_state streams its state chunk by chunk outside the graph")
+
+    return GradientTransformation(eager(init), FusibleUpdate(eager(update), eager(fused_step)))
 
 
 class _Fetched:
