@@ -155,3 +155,13 @@ def test_paged_state_runs_eagerly_inside_a_compiled_step(donate):
     whole_graph = torch.compile(lambda p, g, s: fadam.step(tx, p, g, s), backend="eager", fullgraph=True)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="page_state"):
         whole_graph(params, grads, state)
+
+
+def test_a_mask_missing_a_leaf_is_named_while_compiling():
+    tx = fadam.masked(fadam.adam(1e-2), {"w": True})  # no entry for "b"
+    params = _params()
+    state = fadam.masked(fadam.adam(1e-2), {"w": True, "b": False}).init(params)
+    train_step = torch.compile(lambda p, g, s: tx.update(g, s, p), backend="eager", fullgraph=True)
+    # with fullgraph=True dynamo reports the ValueError raised while tracing as Unsupported, with its message
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"ValueError\(\"mask has no entry for \['b'\]"):
+        train_step(params, params, state)

@@ -48,8 +48,11 @@ def _leaves_by_path(prefix: PyTree, tree: PyTree, what: str) -> list[Any]:
                 break
             try:
                 node = node[key]
-            except (KeyError, IndexError):
-                raise ValueError(f"{what} is not a prefix of the params tree: no entry for {path_str(path)}") from None
+            except (KeyError, IndexError, TypeError):
+                raise ValueError(
+                    f"{what} has no entry for {path_str(path)} (while torch.compile traces, its containers must be "
+                    "dicts, lists or tuples shaped like a prefix of the params tree)"
+                ) from None
         values.append(node)
     return values
 
