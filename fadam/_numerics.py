@@ -74,7 +74,7 @@ def no_zero_on_cpu(x: torch.Tensor) -> bool:
     """Whether ``x`` is a plain CPU tensor (not traced, vmapped or compiled) whose elements are all > 0."""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or not x.numel():
         return False
-    if torch.compiler.is_compiling() or functorch_wrapped(x):
+    if functorch_wrapped(x):  # always while torch.compile traces
         return False  # data-dependent control flow is not allowed there
     return torch.amin(x.detach()).item() > 0  # NaN or a negative value also take the general path
 

@@ -39,7 +39,7 @@ def _full_tree(prefix_or_fn: PyTree | Callable[[PyTree], PyTree], tree: PyTree, 
 def _leaves_by_path(prefix: PyTree, tree: PyTree, what: str) -> list[Any]:
     """``_full_tree`` for torch.compile, which cannot flatten a tree of constants (a mask) with optree: each of
     ``tree``'s leaves looks its value up in ``prefix`` along its path. Prefix containers are dicts, lists and tuples
-    (named or not); ``init``, which runs eagerly, has checked the prefix with optree."""
+    (named or not); an eager ``init`` checks the prefix with optree."""
     values = []
     for path in optree.tree_paths(tree, none_is_leaf=True):
         node = prefix

@@ -10,7 +10,7 @@ from fadam._dispatch import functorch_wrapped
 def _value(x: float | torch.Tensor) -> float:
     if isinstance(x, torch.Tensor):
         # inside vmap/grad or while compiling the value cannot be read without a graph break; it is checked outside
-        if torch.compiler.is_compiling() or functorch_wrapped(x):
+        if functorch_wrapped(x):  # always while torch.compile traces
             return 0.0
         return float(x.detach())
     return float(x)
