@@ -218,24 +218,20 @@ def step(
 
 def _write_into(donated: PyTree, values: PyTree) -> PyTree:
     """``values`` with each tensor copied into the matching tensor of ``donated`` (same shape, dtype and device, neither
-    needing a graph, the value not a donated leaf, the buffer not donated twice); other leaves are returned as they
-    are, as is a tree of another shape."""
+    needing a graph); other leaves are returned as they are, as is a tree of another shape. No identity checks: under
+    torch.compile an ``id`` or ``is`` of a tensor becomes a guard on that object, and new buffers would recompile.
+    Donated leaves must not alias each other (no fadam ``init`` makes such state; the conformance battery checks)."""
     donated_leaves, spec = optree.tree_flatten(donated, none_is_leaf=True)
     value_leaves, value_spec = optree.tree_flatten(values, none_is_leaf=True)
     if spec != value_spec:
         return values
     graph = torch.is_grad_enabled()
-    donated_ids, twice = set(), set()  # a buffer donated twice would receive two values: it is not written
-    for leaf in donated_leaves:
-        (twice if id(leaf) in donated_ids else donated_ids).add(id(leaf))
     written = []
     with torch.no_grad():
         for old, new in zip(donated_leaves, value_leaves):
             if (
                 isinstance(old, torch.Tensor)
                 and isinstance(new, torch.Tensor)
-                and id(old) not in twice
-                and id(new) not in donated_ids
                 and (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device)
                 and not (graph and (old.requires_grad or new.requires_grad))
             ):

@@ -63,3 +63,14 @@ def max_rel_err(actual: Any, expected: Any) -> tuple[float, str]:
         if err > worst or math.isnan(err):
             worst, where = err, path
     return worst, where
+
+
+def assert_no_shared_memory(tree: Any, what: str) -> None:
+    """No two non-empty tensor leaves of ``tree`` share a storage: donation writes each one in place, and a buffer
+    behind two leaves would end up holding only the last value written."""
+    owners: dict[int, str] = {}
+    for path, t in tensor_leaves(tree):
+        if t.numel():
+            pointer = t.untyped_storage().data_ptr()
+            assert pointer not in owners, f"{what}: {path} shares memory with {owners[pointer]}"
+            owners[pointer] = path

@@ -17,7 +17,7 @@ from torch.func import grad, vmap
 
 import fadam
 from tests.conformance.table import ALL_ROWS, VALUE_ROWS, Row
-from tests.tree_checks import max_rel_err, tensor_leaves
+from tests.tree_checks import assert_no_shared_memory, max_rel_err, tensor_leaves
 
 TORCH_ROWS = [row for row in ALL_ROWS if row.reference == "torch"]
 COMPLEX_ROWS = [row for row in ALL_ROWS if row.complex_params]
@@ -268,3 +268,8 @@ def test_compiles_into_one_graph(row, mode):
     assert counter.frame_count == 1, f"compiled {counter.frame_count} graphs for 3 steps"
     err, where = max_rel_err(compiled, _run(row, params, grads, mode)[0])
     assert err <= 1e-12, f"compiled run differs from eager by {err:.2e} at {where}"
+
+
+@pytest.mark.parametrize("row", ALL_ROWS, ids=str)
+def test_init_state_leaves_share_no_memory(row):
+    assert_no_shared_memory(row.build().init(_tree(torch.float32, row.complex_params)), "init state")
