@@ -56,12 +56,26 @@ def test_compiled_fused_step_matches_chain(unfused, torch_kernels):
     check_fused_step_matches_chain(fadam.adamw8bit, 8, {"weight_decay": 0.1}, unfused, exact=False)
 
 
-def check_fused_step_matches_chain(make, bits, kwargs, unfused, exact):
+def _problem(make, bits, kwargs, unfused, w_shape):
+    """(params, fused alias, its unfused chain, block size): a leaf ``w`` of ``w_shape``, a small full-precision leaf
+    (below min_size) and a leaf of whole blocks."""
     torch.manual_seed(0)
     block = 256 if bits == 8 else 128
-    # a ragged last block (odd at 4 bits), a small full-precision leaf, a leaf that is whole blocks
-    params = {"w": torch.randn(33, 31), "b": torch.randn(10), "c": torch.randn(4 * block)}
+    params = {"w": torch.randn(*w_shape), "b": torch.randn(10), "c": torch.randn(4 * block)}
     tx, chain = make(lr=1e-2, min_size=100, **kwargs), unfused(make, lr=1e-2, min_size=100, **kwargs)
+    return params, tx, chain, block
+
+
+def _assert_moments_close(state, chain_state, params, bits, block):
+    for a, b in zip(
+        dequantized_moments(state, params, bits, block), dequantized_moments(chain_state, params, bits, block)
+    ):
+        assert (a - b).norm() <= 0.02 * b.norm()
+
+
+def check_fused_step_matches_chain(make, bits, kwargs, unfused, exact):
+    # w ends in a ragged block (odd at 4 bits)
+    params, tx, chain, block = _problem(make, bits, kwargs, unfused, (33, 31))
     fused_p, fused_s = params, tx.init(params)
     chain_p, chain_s = params, tx.init(params)
     originals = [t.clone() for t in optree.tree_leaves((params, fused_s))]
@@ -78,10 +92,7 @@ def check_fused_step_matches_chain(make, bits, kwargs, unfused, exact):
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(fused_p), optree.tree_leaves(chain_p)))
     for k in params:  # compiled math rounds differently by an ulp, which can move a code by one step
         torch.testing.assert_close(fused_p[k], chain_p[k], rtol=0, atol=1e-4)
-    for a, b in zip(
-        dequantized_moments(fused_s, params, bits, block), dequantized_moments(chain_s, params, bits, block)
-    ):
-        assert (a - b).norm() <= 0.02 * b.norm()
+    _assert_moments_close(fused_s, chain_s, params, bits, block)
 
 
 def test_fused_step_bf16_params(unfused):
@@ -180,11 +191,8 @@ def test_compiled_update_matches_chain_and_step(unfused, torch_kernels):
 
 
 def check_update_matches_chain_and_step(make, bits, kwargs, unfused, exact):
-    torch.manual_seed(0)
-    block = 256 if bits == 8 else 128
-    # w: 7 (8-bit) or 14 (4-bit) whole blocks and a ragged 100; a small full-precision leaf; a leaf of whole blocks
-    params = {"w": torch.randn(43, 44), "b": torch.randn(10), "c": torch.randn(4 * block)}
-    tx, chain = make(lr=1e-2, min_size=100, **kwargs), unfused(make, lr=1e-2, min_size=100, **kwargs)
+    # w: 7 (8-bit) or 14 (4-bit) whole blocks and a ragged 100
+    params, tx, chain, block = _problem(make, bits, kwargs, unfused, (43, 44))
     p, s = params, tx.init(params)
     chain_p, chain_s = params, tx.init(params)
     for _ in range(4):
@@ -209,8 +217,7 @@ def check_update_matches_chain_and_step(make, bits, kwargs, unfused, exact):
     assert isinstance(inner.mu["w"], QuantizedArray) and isinstance(inner.mu["c"], QuantizedArray) and inner.count == 4
     for k in params:
         torch.testing.assert_close(p[k], chain_p[k], rtol=0, atol=1e-4)
-    for a, b in zip(dequantized_moments(s, params, bits, block), dequantized_moments(chain_s, params, bits, block)):
-        assert (a - b).norm() <= 0.02 * b.norm()
+    _assert_moments_close(s, chain_s, params, bits, block)
 
 
 def test_update_falls_back_to_the_chain_for_graphs_and_vmap(unfused, monkeypatch):
