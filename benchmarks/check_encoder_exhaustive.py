@@ -1,10 +1,12 @@
-"""Exhaustive check of the arithmetic encoder against the table encoder: every float32 in [-1, 1], every map.
+"""Exhaustive check of the fused kernels' encoders against the chain's: every float32 in [-1, 1], every map.
 
     python benchmarks/check_encoder_exhaustive.py            # about 2.1e9 values per map; minutes on one core
 
-The fused kernels encode with ``encode(y, map_id: int)`` (an arithmetic first guess and one midpoint read), the chain
-with ``encode(y, map_id: Tensor)`` (the bfloat16-bucket table). Both must give the same code for every input the
-codec can produce: every finite float32 ``y`` with ``|y| <= 1`` (``-0.0`` included). Prints the mismatch count per map.
+The chain encodes with ``encode(y, map_id: Tensor)`` (the bfloat16-bucket table), the compiled fused kernels with
+``encode(y, map_id: int)`` (an arithmetic first guess and one midpoint read), the C++ CPU kernel with its own packed
+table (``_native.encode``; skipped if the kernel does not build). All must give the same code for every input the
+codec can produce: every finite float32 ``y`` with ``|y| <= 1`` (``-0.0`` included). Prints the mismatch counts per
+map.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fadam.quantization import _native
 from fadam.quantization._maps import MAP_IDS, encode, tables_on
 
 
@@ -25,18 +28,24 @@ def main() -> None:
     tables = tables_on("cpu")
     one = int(torch.tensor(1.0).view(torch.int32))  # bit pattern of 1.0: patterns 0..one are exactly [0, 1]
     chunk = 1 << 24
+    native = _native._library() is not None
     total_bad = 0
     for name, map_id in MAP_IDS.items():
-        start, bad = time.perf_counter(), 0
+        start, bad_arithmetic, bad_native = time.perf_counter(), 0, 0
         for lo in range(0, one + 1, chunk):
             bits = torch.arange(lo, min(lo + chunk, one + 1), dtype=torch.int32)
             for sign in (0, -(1 << 31)):
                 y = (bits | sign).view(torch.float32)
-                bad += int(
-                    (encode(y, map_id, tables) != encode(y, torch.tensor(map_id, dtype=torch.uint8), tables)).sum()
-                )
-        total_bad += bad
-        print(f"{name}: {2 * (one + 1)} values, {bad} mismatches ({time.perf_counter() - start:.0f} s)", flush=True)
+                chain = encode(y, torch.tensor(map_id, dtype=torch.uint8), tables)
+                bad_arithmetic += int((encode(y, map_id, tables) != chain).sum())
+                if native:
+                    bad_native += int((_native.encode(y, map_id) != chain).sum())
+        total_bad += bad_arithmetic + bad_native
+        print(
+            f"{name}: {2 * (one + 1)} values, {bad_arithmetic} mismatches (arithmetic), "
+            f"{bad_native if native else 'not checked'} (C++) ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
     sys.exit(1 if total_bad else 0)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fadam
-from fadam.quantization import _fused, _native
+from fadam.quantization import _fused, _maps, _native
 from fadam.quantization._codec import map_pair, quantize_blockwise
 from fadam.quantization._maps import map_values, tables_on
 
@@ -159,3 +159,47 @@ def test_under_torch_compile_the_step_traces_the_torch_kernels(monkeypatch):
     compiled, _ = torch.compile(step, backend="eager")(params, grads, tx.init(params))
     assert calls == [1]  # traced code keeps the torch kernels: a ctypes call would break the graph
     torch.testing.assert_close(compiled["w"], expected["w"], rtol=0, atol=1e-6)
+
+
+def _neighbours(values: torch.Tensor, ulps: int) -> torch.Tensor:
+    # every float32 within `ulps` of each value (bit patterns of positive floats are consecutive integers)
+    bits = values.abs().view(torch.int32).unsqueeze(1) + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    return bits.clamp(0, int(torch.tensor(1.0).view(torch.int32))).view(torch.float32).flatten()
+
+
+@pytest.mark.parametrize("map_id", range(4))
+def test_native_encoder_equals_the_codec_near_every_midpoint_and_pattern_edge(map_id):
+    # The kernel encodes with one read of a table packed from the codec's (_native._bucket_table); benchmarks/
+    # check_encoder_exhaustive.py compares every float32 in [-1, 1]. Here: where an off-by-one would show.
+    tables = tables_on("cpu")
+    mids = tables[2][map_id]
+    mids = mids[mids.isfinite() & (mids > 0)]
+    patterns = torch.arange(0x3000, 0x3F81, dtype=torch.int32) << 16  # bfloat16 pattern edges, 2^-31 .. 1
+    magnitudes = torch.cat(
+        [
+            _neighbours(mids, 3),
+            _neighbours(patterns.view(torch.float32), 1),
+            tables[0][map_id].abs(),
+            torch.rand(10_000, generator=torch.Generator().manual_seed(map_id)) ** 8,
+            torch.tensor([0.0, 1e-45, 1e-38, 1.0]),
+        ]
+    )
+    y = torch.cat([magnitudes, -magnitudes])
+    expected = _maps.encode(y, torch.tensor(map_id, dtype=torch.uint8), tables)
+    assert torch.equal(_native.encode(y, map_id), expected)
+    # outside the codec's domain the kernel clamps as the codec's x / absmax does: NaN to 0, infinities to +-1
+    special = _native.encode(torch.tensor([float("nan"), float("inf"), -float("inf")]), map_id)
+    assert torch.equal(special, _maps.encode(torch.tensor([0.0, 1.0, -1.0]), torch.tensor(map_id), tables))
+
+
+def test_the_native_encoder_table_rejects_a_map_with_two_midpoints_in_one_pattern(monkeypatch):
+    _native._bucket_table.cache_clear()
+    tables = tables_on("cpu")
+    crowded = tables[2].clone()
+    crowded[1, 100] = torch.nextafter(crowded[1, 99], torch.tensor(1.0))  # two midpoints one ulp apart
+    monkeypatch.setattr(_native, "encode_tables", lambda device: (tables[1], crowded))
+    try:
+        with pytest.raises(AssertionError, match="two midpoints inside one bfloat16 pattern"):
+            _native._bucket_table(1)
+    finally:
+        _native._bucket_table.cache_clear()

@@ -21,21 +21,20 @@ import functools
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from fadam.quantization._codec import map_pair
-from fadam.quantization._maps import _GRIDS, _SIZE, Tables
+from fadam.quantization._maps import _GRIDS, Tables, encode_tables, tables_on
 
 if TYPE_CHECKING:  # _fused imports this module
     from fadam.quantization._fused import Rows
 
 _SOURCE = Path(__file__).with_name("_adam_rows.cpp")
 _PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # param_dtype in the source
-_SEGMENTS = 8  # kSegments in the source
 # Compiler flags per ATen CPU capability: the vector width and, above all, whether a multiply-add is fused.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mprefer-vector-width=512"],
@@ -47,14 +46,7 @@ _CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-ffp-contract
 
 
 class _Grid(ctypes.Structure):
-    _fields_ = [
-        ("lo", ctypes.c_float * _SEGMENTS),
-        ("m", ctypes.c_float * _SEGMENTS),
-        ("k", ctypes.c_float * _SEGMENTS),
-        ("mids", ctypes.c_void_p),
-        ("zero", ctypes.c_int32),
-        ("top", ctypes.c_int32),
-    ]
+    _fields_ = [("buckets", ctypes.c_void_p), ("base", ctypes.c_int32), ("zero", ctypes.c_int32)]
 
 
 class _Args(ctypes.Structure):
@@ -96,7 +88,7 @@ def _ninja_on_path() -> Iterator[None]:
 
 
 @functools.cache
-def _library() -> Callable[..., int] | None:
+def _library() -> ctypes.CDLL | None:
     capability = torch.backends.cpu.get_cpu_capability()
     try:
         from torch.utils import cpp_extension
@@ -109,7 +101,7 @@ def _library() -> Callable[..., int] | None:
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )
-        function = ctypes.CDLL(path).fadam_quantized_adam_rows
+        library = ctypes.CDLL(path)
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the compiled kernels serve
         warnings.warn(
             f"fadam: building the quantized Adam CPU kernel failed ({type(err).__name__}: {err}); using the "
@@ -117,24 +109,68 @@ def _library() -> Callable[..., int] | None:
             stacklevel=3,
         )
         return None
-    function.argtypes = [ctypes.POINTER(_Args)]
-    function.restype = ctypes.c_int
-    return function
+    library.fadam_quantized_adam_rows.argtypes = [ctypes.POINTER(_Args)]
+    library.fadam_quantized_adam_rows.restype = ctypes.c_int
+    library.fadam_quantized_encode.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.POINTER(_Grid),
+        ctypes.c_int32,
+        ctypes.c_void_p,
+    ]
+    library.fadam_quantized_encode.restype = None
+    return library
+
+
+_ONE = 0x3F80  # the bfloat16 bit pattern of 1.0: the largest |y| the kernel encodes
+_NO_MIDPOINT = 1 << 16
 
 
 @functools.cache
-def _grids(bits: int, thresholds_address: int) -> tuple[_Grid, _Grid]:
-    """The encoders of the maps m and v are written with (signed, non-negative), for the CPU thresholds table at
-    ``thresholds_address`` (a cached constant: built once a step would cost ~25 us a leaf)."""
-    grids = []
-    for map_id in map_pair(bits):
-        grid = _GRIDS[map_id]
-        padding = [(float("inf"), 0.0, 0.0)] * (_SEGMENTS - len(grid.segments))
-        lo, m, k = zip(*grid.segments, *padding)
-        mids = thresholds_address + (map_id * _SIZE + grid.zero) * 4  # float32 midpoints
-        floats = ctypes.c_float * _SEGMENTS
-        grids.append(_Grid(floats(*lo), floats(*m), floats(*k), mids, grid.zero, grid.top))
-    return grids[0], grids[1]
+def _bucket_table(map_id: int) -> tuple[torch.Tensor, int]:
+    """The C++ encoder's table for one map (``Grid`` in the source) and its first pattern: for each bfloat16 pattern
+    of a magnitude in [0, 1], ``below << 17 | distance``, where ``below`` counts the map's positive midpoints under the
+    pattern's smallest float32 and ``distance`` (bits) reaches the next one inside the pattern, or ``_NO_MIDPOINT``.
+    The same codes as the chain's ``encode`` (its first-guess table and midpoints, re-packed for one read); the
+    signed maps are symmetric, so negative values read their magnitude's entry (``_maps.dynamic_map``)."""
+    _, thresholds = encode_tables("cpu")
+    grid = _GRIDS[map_id]
+    midpoints = thresholds[map_id, grid.zero : grid.zero + grid.top].view(torch.int32).to(torch.int64)
+    base = max((int(midpoints[0]) >> 16) - 1, 0)  # bucket 0 holds no midpoint: it also serves all smaller magnitudes
+    starts = torch.arange(base, _ONE + 1, dtype=torch.int64) << 16
+    below = torch.searchsorted(midpoints, starts)  # midpoints < start
+    inside = torch.searchsorted(midpoints, starts | 0xFFFF, right=True) - below  # midpoints in the pattern
+    if bool((inside > 1).any()) or bool(inside[0]):
+        raise AssertionError("a map has two midpoints inside one bfloat16 pattern; the C++ encoder is invalid")
+    following = midpoints[below.clamp(max=grid.top - 1)]
+    distance = torch.where(inside == 1, following - starts, _NO_MIDPOINT)
+    return ((below << 17) | distance).to(torch.int32), base
+
+
+def _grid(map_id: int) -> _Grid:
+    table, base = _bucket_table(map_id)
+    return _Grid(table.data_ptr(), base, _GRIDS[map_id].zero)
+
+
+@functools.cache
+def _grids(bits: int) -> tuple[_Grid, _Grid]:
+    """The encoders of the maps m and v are written with (signed, non-negative)."""
+    m_map, v_map = map_pair(bits)
+    return _grid(m_map), _grid(v_map)
+
+
+def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
+    """The kernel's encoder alone: int32 codes of float32 ``y`` (clamped to [-1, 1], NaN to 0) under ``map_id``, for
+    comparison with the chain's ``_maps.encode`` (tests, benchmarks/check_encoder_exhaustive.py). Needs the library."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the quantized Adam CPU kernel did not build")
+    tables_on("cpu")  # builds _GRIDS
+    y = y.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    codes = torch.empty(y.shape, dtype=torch.int32)
+    grid = _grid(map_id)
+    library.fadam_quantized_encode(y.data_ptr(), y.numel(), ctypes.byref(grid), _GRIDS[map_id].signed, codes.data_ptr())
+    return codes
 
 
 def step_rows(
@@ -145,10 +181,11 @@ def step_rows(
     bits: int,
     out: torch.Tensor | None = None,
 ) -> None:
-    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``."""
+    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``.
+    ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_bucket_table``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     b1, b2, eps, weight_decay, decoupled, maximize = config
-    m_grid, v_grid = _grids(bits, tables[2].data_ptr())
+    m_grid, v_grid = _grids(bits)
     lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
     args = _Args(
         *(t.data_ptr() if t is not None else None for t in (p, g, out, m_codes, m_absmax, v_codes, v_absmax)),
@@ -173,7 +210,7 @@ def step_rows(
         bc2_sqrt,
         factor,
     )
-    if _library()(ctypes.byref(args)) != 0:
+    if _library().fadam_quantized_adam_rows(ctypes.byref(args)) != 0:
         raise ValueError(
             f"the quantized Adam CPU kernel takes 8 or 4 bits (an even block) and float32 or bfloat16 params, got "
             f"{bits} bits, block {p.shape[1]}, {p.dtype}"
