@@ -169,7 +169,7 @@ def _neighbours(values: torch.Tensor, ulps: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("map_id", range(4))
 def test_native_encoder_equals_the_codec_near_every_midpoint_and_pattern_edge(map_id):
-    # The kernel encodes with one read of a table packed from the codec's (_native._bucket_table); benchmarks/
+    # The kernel encodes with one read of a table packed from the codec's (_native._encoder); benchmarks/
     # check_encoder_exhaustive.py compares every float32 in [-1, 1]. Here: where an off-by-one would show.
     tables = tables_on("cpu")
     mids = tables[2][map_id]
@@ -193,13 +193,13 @@ def test_native_encoder_equals_the_codec_near_every_midpoint_and_pattern_edge(ma
 
 
 def test_the_native_encoder_table_rejects_a_map_with_two_midpoints_in_one_pattern(monkeypatch):
-    _native._bucket_table.cache_clear()
+    _native._encoder.cache_clear()
     tables = tables_on("cpu")
     crowded = tables[2].clone()
     crowded[1, 100] = torch.nextafter(crowded[1, 99], torch.tensor(1.0))  # two midpoints one ulp apart
     monkeypatch.setattr(_native, "encode_tables", lambda device: (tables[1], crowded))
     try:
         with pytest.raises(AssertionError, match="two midpoints inside one bfloat16 pattern"):
-            _native._bucket_table(1)
+            _native._encoder(1)
     finally:
-        _native._bucket_table.cache_clear()
+        _native._encoder.cache_clear()

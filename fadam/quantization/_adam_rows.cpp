@@ -21,7 +21,7 @@
 
 namespace {
 
-// A map's encoder for |y| in [0, 1] (fadam/quantization/_native.py: _bucket_table): one entry per bfloat16 bit pattern
+// A map's encoder for |y| in [0, 1] (fadam/quantization/_native.py: _encoder): one entry per bfloat16 bit pattern
 // of |y| (the top 16 bits of its float32) from `base` up to that of 1.0. An entry holds the number of the map's
 // positive midpoints below the pattern's smallest float (bits 17 and up) and the distance in bits from that float to
 // the next midpoint if the pattern holds one, else 0x10000 (no pattern holds two). Non-negative floats order as their

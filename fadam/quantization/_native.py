@@ -127,12 +127,13 @@ _NO_MIDPOINT = 1 << 16
 
 
 @functools.cache
-def _bucket_table(map_id: int) -> tuple[torch.Tensor, int]:
-    """The C++ encoder's table for one map (``Grid`` in the source) and its first pattern: for each bfloat16 pattern
-    of a magnitude in [0, 1], ``below << 17 | distance``, where ``below`` counts the map's positive midpoints under the
-    pattern's smallest float32 and ``distance`` (bits) reaches the next one inside the pattern, or ``_NO_MIDPOINT``.
-    The same codes as the chain's ``encode`` (its first-guess table and midpoints, re-packed for one read); the
-    signed maps are symmetric, so negative values read their magnitude's entry (``_maps.dynamic_map``)."""
+def _encoder(map_id: int) -> tuple[torch.Tensor, _Grid]:
+    """The C++ encoder of one map (``Grid`` in the source) with the table it points into (cached together, so that
+    the pointer lives as long as the table): for each bfloat16 pattern of a magnitude in [0, 1], ``below << 17 |
+    distance``, where ``below`` counts the map's positive midpoints under the pattern's smallest float32 and
+    ``distance`` (bits) reaches the next one inside the pattern, or ``_NO_MIDPOINT``. The same codes as the chain's
+    ``encode`` (its first-guess table and midpoints, re-packed for one read); the signed maps are symmetric, so
+    negative values read their magnitude's entry (``_maps.dynamic_map``)."""
     _, thresholds = encode_tables("cpu")
     grid = _GRIDS[map_id]
     midpoints = thresholds[map_id, grid.zero : grid.zero + grid.top].view(torch.int32).to(torch.int64)
@@ -144,19 +145,8 @@ def _bucket_table(map_id: int) -> tuple[torch.Tensor, int]:
         raise AssertionError("a map has two midpoints inside one bfloat16 pattern; the C++ encoder is invalid")
     following = midpoints[below.clamp(max=grid.top - 1)]
     distance = torch.where(inside == 1, following - starts, _NO_MIDPOINT)
-    return ((below << 17) | distance).to(torch.int32), base
-
-
-def _grid(map_id: int) -> _Grid:
-    table, base = _bucket_table(map_id)
-    return _Grid(table.data_ptr(), base, _GRIDS[map_id].zero)
-
-
-@functools.cache
-def _grids(bits: int) -> tuple[_Grid, _Grid]:
-    """The encoders of the maps m and v are written with (signed, non-negative)."""
-    m_map, v_map = map_pair(bits)
-    return _grid(m_map), _grid(v_map)
+    table = ((below << 17) | distance).to(torch.int32)
+    return table, _Grid(table.data_ptr(), base, grid.zero)
 
 
 def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
@@ -168,7 +158,7 @@ def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
     tables_on("cpu")  # builds _GRIDS
     y = y.detach().to(device="cpu", dtype=torch.float32).contiguous()
     codes = torch.empty(y.shape, dtype=torch.int32)
-    grid = _grid(map_id)
+    _, grid = _encoder(map_id)
     library.fadam_quantized_encode(y.data_ptr(), y.numel(), ctypes.byref(grid), _GRIDS[map_id].signed, codes.data_ptr())
     return codes
 
@@ -182,10 +172,10 @@ def step_rows(
     out: torch.Tensor | None = None,
 ) -> None:
     """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``.
-    ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_bucket_table``)."""
+    ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_encoder``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     b1, b2, eps, weight_decay, decoupled, maximize = config
-    m_grid, v_grid = _grids(bits)
+    (_, m_grid), (_, v_grid) = (_encoder(map_id) for map_id in map_pair(bits))
     lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
     args = _Args(
         *(t.data_ptr() if t is not None else None for t in (p, g, out, m_codes, m_absmax, v_codes, v_absmax)),
