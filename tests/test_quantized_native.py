@@ -2,7 +2,12 @@
 params, updates, codes and absmax equal bit for bit."""
 
 import itertools
+import os
+import platform
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,6 +69,33 @@ def test_native_kernel_equals_the_eager_kernels(bits, config, special, to_out, d
     for key in ("p", "out", "m_codes", "m_absmax", "v_codes", "v_absmax"):
         if key != "out" or to_out:
             torch.testing.assert_close(native[key], eager[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+_OTHER_CAPABILITY_CHECK = """
+import itertools, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_quantized_native import CONFIGS, run_both
+print(torch.backends.cpu.get_cpu_capability())
+for bits, config, to_out, dtype in itertools.product((8, 4), CONFIGS, (0, 1), (torch.float32, torch.bfloat16)):
+    eager, native = run_both(bits, config, 1, to_out, dtype)
+    for key in ("p", "out", "m_codes", "m_absmax", "v_codes", "v_absmax"):
+        if eager[key] is not None:
+            torch.testing.assert_close(native[key], eager[key], rtol=0, atol=0, equal_nan=True, msg=key)
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ATen's x86 capabilities")
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_native_kernel_equals_the_eager_kernels_on_other_cpu_capabilities(capability):
+    # The kernel is built per ATen capability (FMA or not changes ATen's rounding, e.g. of bfloat16 add with alpha);
+    # CI has one CPU, so the others run in a subprocess that forces the capability (any x86 CPU runs these two).
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    tests = str(Path(__file__).parent)
+    result = subprocess.run(
+        [sys.executable, "-c", _OTHER_CAPABILITY_CHECK, tests], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.split()[0] == capability.upper()
 
 
 def test_native_kernel_decodes_m_stored_with_the_non_negative_map():

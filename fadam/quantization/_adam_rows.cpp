@@ -121,6 +121,17 @@ inline float multiply_add(float a, float b, float c) {
 #endif
 }
 
+// torch.add(g, p, alpha) in p's dtype: with FMA, ATen's vectorized kernel rounds g + alpha * p once (then to p's
+// dtype); without (ATEN_CPU_CAPABILITY=default), its scalar kernel also rounds alpha * p to p's dtype first.
+template <typename P>
+inline float add_scaled(float g, float p, float alpha) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return P::round(multiply_add(p, alpha, g));
+#else
+  return P::round(g + P::round(p * alpha));
+#endif
+}
+
 inline int32_t finite_magnitude_bits(float x) {
   const float magnitude = std::fabs(x);
   const float kept = select(magnitude < INFINITY, magnitude, 0.0f);  // NaN compares false
@@ -174,7 +185,7 @@ __attribute__((noinline, noclone)) void moments_row(const Args& a, const typenam
     const float m = m_map[m_codes[i]] * m_scale;
     const float v = v_map[v_codes[i]] * v_scale;
     float grad = kMaximize ? -P::load(g[i]) : P::load(g[i]);
-    if (kCoupled) grad = P::round(multiply_add(P::load(p[i]), decay, grad));  // torch.add(g, p, alpha=decay)
+    if (kCoupled) grad = add_scaled<P>(grad, P::load(p[i]), decay);  // torch.add(g, p, alpha=decay)
     const float m_new = multiply_add(coefficient, grad - m, select(small_weight, m, grad));
     const float v_new = multiply_add(one_minus_b2 * grad, grad, v * b2);  // addcmul(v * b2, g, g, value)
     m_out[i] = m_new;
