@@ -2,9 +2,9 @@
 
 On the CPU, inductor's code for the fused step (``_fused.py``) reads each table entry in a scalar loop and goes
 through memory between its two kernels; this loop does the same math in one pass per block and vectorizes (16.8M
-params, 2 threads: 33.5 ms against inductor's 103 ms on a loaded machine; see benchmarks/README.md). Its results equal
-the eager kernels bit for bit: ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where
-torch links it). Only float32 and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
+params, 2 threads: 27.5 ms against inductor's 84 ms; see benchmarks/README.md). Its results equal the eager kernels
+bit for bit: ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it).
+Only float32 and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
 
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which torch.compile's
 CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers: 3-6 s on two
