@@ -25,7 +25,8 @@ def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
 
 def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
     torch.manual_seed(bits + 7 * special)
-    block, rows = (256, 9) if bits == 8 else (128, 11)
+    # rows over two and a half of the C++ kernel's 4096-element groups: its pipeline's every stage
+    block, rows = (256, 37) if bits == 8 else (128, 75)
     n = rows * block
     p = torch.randn(n).to(dtype)
     g = (torch.randn(n) * 10.0 ** torch.randint(-6, 2, (n,)).to(torch.float32)).to(dtype)  # over 8 decades
@@ -35,6 +36,7 @@ def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
         for t in (g, m, v):  # a zero block
             t[2 * block : 3 * block] = 0
         g[4 * block : 5 * block] = 1e-3  # a constant gradient block
+        g[(rows // 2) * block + 7], g[(rows // 2 + 1) * block] = float("inf"), float("nan")  # in a later group
     signed, unsigned = map_pair(bits)
     m_codes, m_absmax, m_map = quantized_rows(m, bits, block, signed if m_map_id is None else m_map_id)
     v_codes, v_absmax, v_map = quantized_rows(v, bits, block, unsigned)

@@ -2,6 +2,10 @@
 // param, find the block's new absmax and encode the moments for it. Built on first use by fadam/quantization/_native.py
 // (torch.utils.cpp_extension, this file only) and called through ctypes with the pointers of contiguous tensors.
 //
+// Each thread runs its rows as a pipeline over groups of rows (run): the new moments of the next group are computed
+// in the same loops as the params and codes of the current one (fused_row), whose divisions would otherwise leave
+// the vector units idle, and which skip the encoder's clamps where a row's moments are all finite (nearly always).
+//
 // The arithmetic is the chain's, operation by operation and in float32, so that results equal the eager kernels in
 // _fused.py bit for bit: ATen's vectorized CPU lerp, addcmul and add-with-alpha are each one fused multiply-add
 // (where the CPU has FMA), the square root is torch's own, and everything else rounds once per operation (built with
@@ -21,15 +25,16 @@
 
 namespace {
 
-// A map's encoder for |y| in [0, 1] (fadam/quantization/_native.py: _encoder): one entry per bfloat16 bit pattern
-// of |y| (the top 16 bits of its float32) from `base` up to that of 1.0. An entry holds the number of the map's
-// positive midpoints below the pattern's smallest float (bits 17 and up) and the distance in bits from that float to
-// the next midpoint if the pattern holds one, else 0x10000 (no pattern holds two). Non-negative floats order as their
-// bits do, so one table read and one integer comparison give the nearest code.
+// A map's encoder (fadam/quantization/_native.py: _encoder): one 32-bit entry per bfloat16 bit pattern of y (the top
+// 16 bits of its float32, sign included, |y| <= 1), at index pattern - base; patterns below base, which hold no
+// midpoint, read entry 0. The low byte of an entry is a code and its top 16 bits the low 16 bits of the map's midpoint
+// inside the pattern (no pattern holds two), 0xFFFF for none. For y >= 0 the code is that of the pattern's smallest
+// float plus one if y's low 16 bits exceed the midpoint's: one table read and one unsigned comparison of
+// (y's bits << 16) with the entry. A negative y compares its low bits mirrored (0xFFFF - bits) with a mirrored
+// midpoint, so that the same comparison steps its code down the signed map's negative half.
 struct Grid {
-  const int32_t* buckets;
-  int32_t base;  // bucket 0: every pattern at or below it, and one with no midpoint
-  int32_t zero;  // code of 0 (signed maps) or of the smallest value
+  const uint32_t* entries;
+  int32_t base;
 };
 
 struct Args {
@@ -132,12 +137,22 @@ inline float add_scaled(float g, float p, float alpha) {
 #endif
 }
 
-inline int32_t finite_magnitude_bits(float x) {
-  const float magnitude = std::fabs(x);
-  const float kept = select(magnitude < INFINITY, magnitude, 0.0f);  // NaN compares false
+inline int32_t magnitude_bits(float x) {
   int32_t bits;
-  std::memcpy(&bits, &kept, 4);
-  return bits;
+  std::memcpy(&bits, &x, 4);
+  return bits & 0x7FFFFFFF;
+}
+
+constexpr int32_t kInfinityBits = 0x7F800000;
+
+// The largest finite magnitude of x[0, n), as bits: for the rare block whose moments hold an inf or NaN.
+int32_t finite_max_bits(const float* x, int64_t n) {
+  int32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t bits = magnitude_bits(x[i]);
+    top = bits < kInfinityBits && bits > top ? bits : top;
+  }
+  return top;
 }
 
 // y / scale as the codec computes it: NaN to 0, then clamped to [-1, 1].
@@ -148,26 +163,75 @@ inline float unit(float x, float scale) {
   return select(y != y, 0.0f, y);
 }
 
-template <bool kSigned>
-inline int32_t encode(float y, const Grid& grid) {
-  int32_t bits;
+inline uint32_t encode(float y, const Grid& grid) {
+  uint32_t bits;
   std::memcpy(&bits, &y, 4);
-  const int32_t magnitude = bits & 0x7FFFFFFF;
-  const int32_t negative = bits >> 31;  // 0 or -1
-  int32_t bucket = (magnitude >> 16) - grid.base;
-  bucket = bucket < 0 ? 0 : bucket;
-  const int32_t entry = grid.buckets[bucket];
-  const int32_t mid = (magnitude & 0x7FFF0000) + (entry & 0x1FFFF);
-  const int32_t below = entry >> 17;
-  if (!kSigned) return (below + static_cast<int32_t>(magnitude > mid)) & ~negative;  // no midpoint below 0
-  // y < 0 counts the negative midpoints below y: the mirror image of the positive ones at or above |y|
-  const int32_t offset = below + static_cast<int32_t>(magnitude - negative > mid);
-  return grid.zero + ((offset ^ negative) - negative);
+  const int32_t pattern = static_cast<int32_t>(bits >> 16);  // with the sign bit
+  int32_t index = pattern - grid.base;  // int32: gcc gathers with 32-bit indices, with 64-bit ones for uint32
+  index = index < 0 ? 0 : index;
+  const uint32_t entry = grid.entries[index];
+  const uint32_t negative = static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31);
+  const uint32_t key = (bits << 16) ^ (negative & 0xFFFF0000u);
+  return entry + static_cast<uint32_t>(key > entry);  // the low byte is the code
 }
 
-// New moments of one block into m_out, v_out, and the bit patterns of their absmax into m_max, v_max.
-template <typename P, bool kMaximize, bool kCoupled>
-__attribute__((noinline, noclone)) void moments_row(const Args& a, const typename P::Storage* __restrict p,
+// The moment update's constants, hoisted out of the loops.
+template <typename P>
+struct MomentRule {
+  uint32_t gradient_sign;  // 0x80000000 to maximize: torch.neg flips the sign bit, NaN's included
+  float b2, one_minus_b2, decay;
+  bool small_weight;  // ATen's lerp: start + w * (end - start) for |w| < 0.5, else end + (w - 1) * (end - start)
+  float coefficient;
+  explicit MomentRule(const Args& a)
+      : gradient_sign(a.maximize ? 0x80000000u : 0u),
+        b2(a.b2),
+        one_minus_b2(a.one_minus_b2),
+        decay(P::round(a.weight_decay)),  // alpha in p's dtype
+        small_weight(std::fabs(a.b1_weight) < 0.5f),
+        coefficient(small_weight ? a.b1_weight : a.b1_weight - 1.0f) {}
+};
+
+// New m and v of one element from its decoded moments, gradient and param.
+template <typename P, bool kCoupled>
+inline void next_moments(const MomentRule<P>& rule, float m, float v, float gradient, float param, float& m_new,
+                         float& v_new) {
+  uint32_t bits;
+  std::memcpy(&bits, &gradient, 4);
+  float grad = from_bits(static_cast<int32_t>(bits ^ rule.gradient_sign));
+  if (kCoupled) grad = add_scaled<P>(grad, param, rule.decay);  // torch.add(g, p, alpha=decay)
+  m_new = multiply_add(rule.coefficient, grad - m, select(rule.small_weight, m, grad));
+  v_new = multiply_add(rule.one_minus_b2 * grad, grad, v * rule.b2);  // addcmul(v * b2, g, g, value)
+}
+
+// The param update's constants.
+template <typename P>
+struct UpdateRule {
+  float bc1, bc2_sqrt, eps, negative_lr, factor;
+  explicit UpdateRule(const Args& a)
+      : bc1(a.bc1), bc2_sqrt(a.bc2_sqrt), eps(a.eps), negative_lr(-a.lr), factor(P::round(a.factor)) {}
+};
+
+// _fused._update: ((m / bc1) / (sqrt(v) / bc2_sqrt + eps)).to(p.dtype) * -lr, minus (p - p * factor) (AdamW)
+template <typename P, bool kDecoupled>
+inline float update_of(const UpdateRule<P>& rule, float m_new, float root, float param) {
+  float u = P::round(P::round((m_new / rule.bc1) / (root / rule.bc2_sqrt + rule.eps)) * rule.negative_lr);
+  if (kDecoupled) u = P::round(u - P::round(param - P::round(param * rule.factor)));
+  return u;
+}
+
+// A row's absmax as bit patterns from the maxima of its moments' magnitude bits: those hold an inf or NaN only in
+// the rare row where a moment is not finite, which then takes the finite maximum over the row. True if finite.
+inline bool absmax_bits(int32_t m_top, int32_t v_top, const float* m, const float* v, int64_t n, int32_t* m_max,
+                        int32_t* v_max) {
+  *m_max = m_top < kInfinityBits ? m_top : finite_max_bits(m, n);
+  *v_max = v_top < kInfinityBits ? v_top : finite_max_bits(v, n);
+  return m_top < kInfinityBits && v_top < kInfinityBits;
+}
+
+// One row's moments (from codes widened to int32: see widen) into m_out, v_out, their absmax bits into m_max,
+// v_max; true if they are all finite.
+template <typename P, bool kCoupled>
+__attribute__((noinline, noclone)) bool moments_row(const Args& a, const typename P::Storage* __restrict p,
                                                     const typename P::Storage* __restrict g,
                                                     const int32_t* __restrict m_codes,
                                                     const int32_t* __restrict v_codes, float m_scale, float v_scale,
@@ -175,30 +239,22 @@ __attribute__((noinline, noclone)) void moments_row(const Args& a, const typenam
                                                     int32_t* v_max) {
   const float* __restrict m_map = a.m_map;
   const float* __restrict v_map = a.v_map;
-  const float b2 = a.b2, one_minus_b2 = a.one_minus_b2, decay = P::round(a.weight_decay);  // alpha in p's dtype
-  // ATen's lerp: start + w * (end - start) for |w| < 0.5, else end + (w - 1) * (end - start), one rounding each
-  const bool small_weight = std::fabs(a.b1_weight) < 0.5f;
-  const float coefficient = small_weight ? a.b1_weight : a.b1_weight - 1.0f;
+  const MomentRule<P> rule(a);
   int32_t m_top = 0, v_top = 0;
   const int64_t n = a.block;
   for (int64_t i = 0; i < n; ++i) {
-    const float m = m_map[m_codes[i]] * m_scale;
-    const float v = v_map[v_codes[i]] * v_scale;
-    float grad = kMaximize ? -P::load(g[i]) : P::load(g[i]);
-    if (kCoupled) grad = add_scaled<P>(grad, P::load(p[i]), decay);  // torch.add(g, p, alpha=decay)
-    const float m_new = multiply_add(coefficient, grad - m, select(small_weight, m, grad));
-    const float v_new = multiply_add(one_minus_b2 * grad, grad, v * b2);  // addcmul(v * b2, g, g, value)
+    float m_new, v_new;
+    next_moments<P, kCoupled>(rule, m_map[m_codes[i]] * m_scale, v_map[v_codes[i]] * v_scale, P::load(g[i]),
+                              kCoupled ? P::load(p[i]) : 0.0f, m_new, v_new);
     m_out[i] = m_new;
     v_out[i] = v_new;
-    const int32_t mb = finite_magnitude_bits(m_new), vb = finite_magnitude_bits(v_new);
-    m_top = mb > m_top ? mb : m_top;
-    v_top = vb > v_top ? vb : v_top;
+    m_top = std::max(m_top, magnitude_bits(m_new));
+    v_top = std::max(v_top, magnitude_bits(v_new));
   }
-  *m_max = m_top;
-  *v_max = v_top;
+  return absmax_bits(m_top, v_top, m_out, v_out, n, m_max, v_max);
 }
 
-// The param (or update) of one block and the codes of its new moments for their new absmax.
+// One row's param (or update, into out) and the codes of its new moments m, v for their absmax m_scale, v_scale.
 template <typename P, bool kDecoupled, bool kToOut>
 __attribute__((noinline, noclone)) void finish_row(const Args& a, typename P::Storage* __restrict p,
                                                    typename P::Storage* __restrict out,
@@ -206,22 +262,59 @@ __attribute__((noinline, noclone)) void finish_row(const Args& a, typename P::St
                                                    const float* __restrict root, float m_scale, float v_scale,
                                                    uint8_t* __restrict m_codes, uint8_t* __restrict v_codes) {
   const Grid m_grid = a.m_grid, v_grid = a.v_grid;
-  const float bc1 = a.bc1, bc2_sqrt = a.bc2_sqrt, eps = a.eps, negative_lr = -a.lr, factor = P::round(a.factor);
+  const UpdateRule<P> rule(a);
   const int64_t n = a.block;  // a local: the code stores (uint8_t) may alias any field of `a`
   for (int64_t i = 0; i < n; ++i) {
-    const float m_new = m[i], v_new = v[i];
-    // _fused._update: ((m / bc1) / (sqrt(v) / bc2_sqrt + eps)).to(p.dtype) * -lr, minus (p - p * factor)
-    float u = P::round(P::round((m_new / bc1) / (root[i] / bc2_sqrt + eps)) * negative_lr);
     const float param = P::load(p[i]);
-    if (kDecoupled) u = P::round(u - P::round(param - P::round(param * factor)));
+    const float u = update_of<P, kDecoupled>(rule, m[i], root[i], param);
     if (kToOut) {
       out[i] = P::store(u);
     } else {
       p[i] = P::store(param + u);
     }
-    m_codes[i] = static_cast<uint8_t>(encode<true>(unit(m_new, m_scale), m_grid));
-    v_codes[i] = static_cast<uint8_t>(encode<false>(unit(v_new, v_scale), v_grid));
+    m_codes[i] = static_cast<uint8_t>(encode(unit(m[i], m_scale), m_grid));
+    v_codes[i] = static_cast<uint8_t>(encode(unit(v[i], v_scale), v_grid));
   }
+}
+
+// finish_row of one row whose moments are all finite and moments_row of another, in one loop: apart, finish_row
+// waits on the divider (five divisions an element) while moments_row keeps the vector units busy; together they
+// overlap. Finite moments need none of the encoder's clamps: |x| <= absmax, so x / absmax lies in [-1, 1].
+template <typename P, bool kCoupled, bool kDecoupled, bool kToOut>
+__attribute__((noinline, noclone)) bool fused_row(
+    const Args& a, typename P::Storage* __restrict p, typename P::Storage* __restrict out, const float* __restrict m,
+    const float* __restrict v, const float* __restrict root, float m_scale, float v_scale,
+    uint8_t* __restrict m_codes, uint8_t* __restrict v_codes, const typename P::Storage* __restrict next_p,
+    const typename P::Storage* __restrict next_g, const int32_t* __restrict next_m_codes,
+    const int32_t* __restrict next_v_codes, float next_m_scale, float next_v_scale, float* __restrict next_m,
+    float* __restrict next_v, int32_t* m_max, int32_t* v_max) {
+  const float* __restrict m_map = a.m_map;
+  const float* __restrict v_map = a.v_map;
+  const Grid m_grid = a.m_grid, v_grid = a.v_grid;
+  const MomentRule<P> moment_rule(a);
+  const UpdateRule<P> update_rule(a);
+  int32_t m_top = 0, v_top = 0;
+  const int64_t n = a.block;
+  for (int64_t i = 0; i < n; ++i) {
+    const float param = P::load(p[i]);
+    const float u = update_of<P, kDecoupled>(update_rule, m[i], root[i], param);
+    if (kToOut) {
+      out[i] = P::store(u);
+    } else {
+      p[i] = P::store(param + u);
+    }
+    m_codes[i] = static_cast<uint8_t>(encode(m[i] / m_scale, m_grid));  // unit() without its clamps
+    v_codes[i] = static_cast<uint8_t>(encode(v[i] / v_scale, v_grid));
+    float m_new, v_new;
+    next_moments<P, kCoupled>(moment_rule, m_map[next_m_codes[i]] * next_m_scale,
+                              v_map[next_v_codes[i]] * next_v_scale, P::load(next_g[i]),
+                              kCoupled ? P::load(next_p[i]) : 0.0f, m_new, v_new);
+    next_m[i] = m_new;
+    next_v[i] = v_new;
+    m_top = std::max(m_top, magnitude_bits(m_new));
+    v_top = std::max(v_top, magnitude_bits(v_new));
+  }
+  return absmax_bits(m_top, v_top, next_m, next_v, n, m_max, v_max);
 }
 
 // Codes widened to int32 before they index a map: gcc reads a table at uint8 indices with one scalar load per
@@ -243,65 +336,112 @@ void pack_nibbles(const uint8_t* __restrict codes, uint8_t* __restrict packed, i
   for (int64_t i = 0; i < bytes; ++i) packed[i] = static_cast<uint8_t>(codes[2 * i] | (codes[2 * i + 1] << 4));
 }
 
-// Rows whose square roots are taken in one call (about 4096 elements): the call costs more than a row's work.
+// Elements per group: its square roots are taken in one call (the call costs more than a row's work).
 constexpr int64_t kGroupElements = 4096;
 
 template <typename P>
-using MomentsRow = void (*)(const Args&, const typename P::Storage*, const typename P::Storage*, const int32_t*,
-                            const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
-template <typename P>
-using FinishRow = void (*)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*,
-                           const float*, float, float, uint8_t*, uint8_t*);
+struct Kernels {
+  bool (*moments)(const Args&, const typename P::Storage*, const typename P::Storage*, const int32_t*,
+                  const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
+  void (*finish)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, const float*,
+                 float, float, uint8_t*, uint8_t*);
+  bool (*fused)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, const float*,
+                float, float, uint8_t*, uint8_t*, const typename P::Storage*, const typename P::Storage*,
+                const int32_t*, const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
+};
 
-// The row functions come chosen for the flags (templates each, for the vectorizer); the driver is one per dtype.
+// A group's new moments, their square roots and absmax, between the two halves of its step.
+struct Group {
+  std::vector<float> m, v, root, m_absmax, v_absmax;
+  std::vector<char> finite;
+  int64_t first = 0, count = 0;
+  Group(int64_t rows, int64_t block)
+      : m(rows * block), v(rows * block), root(rows * block), m_absmax(rows), v_absmax(rows), finite(rows) {}
+};
+
+// The rows of a thread run as a pipeline over groups: the moments of group k + 1 are computed in the same loops as
+// the params and codes of group k (fused_row), after group k's square roots.
 template <typename P>
-void run(const Args& a, MomentsRow<P> moments_row, FinishRow<P> finish_row) {
+void run(const Args& a, const Kernels<P>& kernels) {
   using Storage = typename P::Storage;
   Storage* params = static_cast<Storage*>(a.p);
   const Storage* grads = static_cast<const Storage*>(a.g);
   Storage* updates = static_cast<Storage*>(a.out);
   const int64_t block = a.block, code_width = a.bits == 8 ? block : block / 2;
-  const int64_t group = std::max<int64_t>(1, kGroupElements / block);
-  at::parallel_for(0, a.rows, group, [&](int64_t begin, int64_t end) {
-    const int64_t size = group * block;
-    std::vector<float> m(size), v(size), root(size), m_absmax(group), v_absmax(group);
+  const int64_t group_rows = std::max<int64_t>(1, kGroupElements / block);
+  at::parallel_for(0, a.rows, group_rows, [&](int64_t begin, int64_t end) {
+    Group current(group_rows, block), next(group_rows, block);
     std::vector<int32_t> m_index(block), v_index(block);
-    std::vector<uint8_t> m_codes(a.bits == 8 ? 0 : size), v_codes(a.bits == 8 ? 0 : size);
-    for (int64_t first = begin; first < end; first += group) {
-      const int64_t count = std::min(group, end - first);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t r = first + j;
-        const uint8_t* m_in = a.m_codes + r * code_width;
-        const uint8_t* v_in = a.v_codes + r * code_width;
-        if (a.bits == 4) {
-          unpack_nibbles(m_in, m_index.data(), code_width);
-          unpack_nibbles(v_in, v_index.data(), code_width);
-        } else {
-          widen(m_in, m_index.data(), block);
-          widen(v_in, v_index.data(), block);
-        }
+    std::vector<uint8_t> m_codes(a.bits == 8 ? 0 : block), v_codes(a.bits == 8 ? 0 : block);
+    // the widened codes of row r, into m_index, v_index
+    const auto load_codes = [&](int64_t r) {
+      const uint8_t* m_in = a.m_codes + r * code_width;
+      const uint8_t* v_in = a.v_codes + r * code_width;
+      if (a.bits == 4) {
+        unpack_nibbles(m_in, m_index.data(), code_width);
+        unpack_nibbles(v_in, v_index.data(), code_width);
+      } else {
+        widen(m_in, m_index.data(), block);
+        widen(v_in, v_index.data(), block);
+      }
+    };
+    // row j of group `to`: its moments alone
+    const auto moments = [&](Group& to, int64_t j) {
+      const int64_t r = to.first + j;
+      load_codes(r);
+      int32_t m_max, v_max;
+      to.finite[j] = kernels.moments(a, params + r * block, grads + r * block, m_index.data(), v_index.data(),
+                                     a.m_absmax[r], a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block,
+                                     &m_max, &v_max);
+      to.m_absmax[j] = from_bits(m_max);
+      to.v_absmax[j] = from_bits(v_max);
+    };
+    const auto codes_out = [&](uint8_t* codes, uint8_t* scratch, int64_t r) {
+      return a.bits == 8 ? codes + r * code_width : scratch;
+    };
+    // row j of group `from`: its param and codes, with row j of group `to`'s moments where `to` has that row
+    const auto finish = [&](Group& from, int64_t j, Group& to) {
+      const int64_t r = from.first + j;
+      Storage* out = updates == nullptr ? nullptr : updates + r * block;
+      uint8_t* m_out = codes_out(a.m_codes, m_codes.data(), r);
+      uint8_t* v_out = codes_out(a.v_codes, v_codes.data(), r);
+      const float m_scale = from.m_absmax[j] > 0.0f ? from.m_absmax[j] : 1.0f;
+      const float v_scale = from.v_absmax[j] > 0.0f ? from.v_absmax[j] : 1.0f;
+      const float* m = from.m.data() + j * block;
+      const float* v = from.v.data() + j * block;
+      const float* root = from.root.data() + j * block;
+      if (j < to.count && from.finite[j]) {
+        const int64_t s = to.first + j;
+        load_codes(s);
         int32_t m_max, v_max;
-        moments_row(a, params + r * block, grads + r * block, m_index.data(), v_index.data(), a.m_absmax[r],
-                    a.v_absmax[r], m.data() + j * block, v.data() + j * block, &m_max, &v_max);
-        m_absmax[j] = from_bits(m_max);
-        v_absmax[j] = from_bits(v_max);
+        to.finite[j] = kernels.fused(a, params + r * block, out, m, v, root, m_scale, v_scale, m_out, v_out,
+                                     params + s * block, grads + s * block, m_index.data(), v_index.data(),
+                                     a.m_absmax[s], a.v_absmax[s], to.m.data() + j * block,
+                                     to.v.data() + j * block, &m_max, &v_max);
+        to.m_absmax[j] = from_bits(m_max);
+        to.v_absmax[j] = from_bits(v_max);
+      } else {
+        // a row with an inf or NaN moment, or the last group of a thread's rows
+        kernels.finish(a, params + r * block, out, m, v, root, m_scale, v_scale, m_out, v_out);
+        if (j < to.count) moments(to, j);
       }
-      square_roots(v.data(), root.data(), count * block);
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t r = first + j;
-        uint8_t* m_out = a.bits == 8 ? a.m_codes + r * code_width : m_codes.data() + j * block;
-        uint8_t* v_out = a.bits == 8 ? a.v_codes + r * code_width : v_codes.data() + j * block;
-        const float m_scale = m_absmax[j] > 0.0f ? m_absmax[j] : 1.0f;
-        const float v_scale = v_absmax[j] > 0.0f ? v_absmax[j] : 1.0f;
-        finish_row(a, params + r * block, updates == nullptr ? nullptr : updates + r * block, m.data() + j * block,
-                   v.data() + j * block, root.data() + j * block, m_scale, v_scale, m_out, v_out);
-        if (a.bits == 4) {
-          pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
-          pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
-        }
-        a.m_absmax[r] = m_absmax[j];
-        a.v_absmax[r] = v_absmax[j];
+      if (a.bits == 4) {
+        pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
+        pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
       }
+      a.m_absmax[r] = from.m_absmax[j];
+      a.v_absmax[r] = from.v_absmax[j];
+    };
+    current.first = begin;
+    current.count = std::min(group_rows, end - begin);
+    for (int64_t j = 0; j < current.count; ++j) moments(current, j);
+    square_roots(current.v.data(), current.root.data(), current.count * block);
+    while (current.count > 0) {
+      next.first = current.first + current.count;
+      next.count = std::min(group_rows, end - next.first);
+      for (int64_t j = 0; j < current.count; ++j) finish(current, j, next);
+      if (next.count > 0) square_roots(next.v.data(), next.root.data(), next.count * block);
+      std::swap(current, next);
     }
   });
 }
@@ -314,19 +454,19 @@ void with_flag(bool flag, F&& f) {
 
 template <typename P>
 void dispatch(const Args& a) {
-  MomentsRow<P> moments = nullptr;
-  FinishRow<P> finish = nullptr;
-  with_flag(a.maximize, [&](auto maximize) {
-    with_flag(a.coupled_decay, [&](auto coupled) {
-      moments = &moments_row<P, decltype(maximize)::value, decltype(coupled)::value>;
+  Kernels<P> kernels{};
+  with_flag(a.coupled_decay, [&](auto coupled) {
+    constexpr bool kCoupled = decltype(coupled)::value;
+    kernels.moments = &moments_row<P, kCoupled>;
+    with_flag(a.decoupled_decay, [&](auto decoupled) {
+      with_flag(a.out != nullptr, [&](auto to_out) {
+        constexpr bool kDecoupled = decltype(decoupled)::value, kToOut = decltype(to_out)::value;
+        kernels.finish = &finish_row<P, kDecoupled, kToOut>;
+        kernels.fused = &fused_row<P, kCoupled, kDecoupled, kToOut>;
+      });
     });
   });
-  with_flag(a.decoupled_decay, [&](auto decoupled) {
-    with_flag(a.out != nullptr, [&](auto to_out) {
-      finish = &finish_row<P, decltype(decoupled)::value, decltype(to_out)::value>;
-    });
-  });
-  run<P>(a, moments, finish);
+  run<P>(a, kernels);
 }
 
 }  // namespace
@@ -345,9 +485,8 @@ extern "C" int fadam_quantized_adam_rows(const Args* args) {
 
 // The kernel's encoder alone, for y / 1 (clamped to [-1, 1], NaN to 0): what the tests and
 // benchmarks/check_encoder_exhaustive.py compare with the chain's codec.
-extern "C" void fadam_quantized_encode(const float* y, int64_t n, const Grid* grid, int32_t is_signed,
-                                       int32_t* codes) {
+extern "C" void fadam_quantized_encode(const float* y, int64_t n, const Grid* grid, int32_t* codes) {
   for (int64_t i = 0; i < n; ++i) {
-    codes[i] = is_signed ? encode<true>(unit(y[i], 1.0f), *grid) : encode<false>(unit(y[i], 1.0f), *grid);
+    codes[i] = static_cast<int32_t>(encode(unit(y[i], 1.0f), *grid) & 0xFFu);
   }
 }

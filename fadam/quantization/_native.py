@@ -46,7 +46,7 @@ _CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-ffp-contract
 
 
 class _Grid(ctypes.Structure):
-    _fields_ = [("buckets", ctypes.c_void_p), ("base", ctypes.c_int32), ("zero", ctypes.c_int32)]
+    _fields_ = [("entries", ctypes.c_void_p), ("base", ctypes.c_int32)]
 
 
 class _Args(ctypes.Structure):
@@ -115,7 +115,6 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_void_p,
         ctypes.c_int64,
         ctypes.POINTER(_Grid),
-        ctypes.c_int32,
         ctypes.c_void_p,
     ]
     library.fadam_quantized_encode.restype = None
@@ -123,30 +122,42 @@ def _library() -> ctypes.CDLL | None:
 
 
 _ONE = 0x3F80  # the bfloat16 bit pattern of 1.0: the largest |y| the kernel encodes
-_NO_MIDPOINT = 1 << 16
+_NEGATIVE = 0x8000  # the sign bit of a bfloat16 pattern
+_NONE = 0xFFFF  # no midpoint inside the pattern: no low 16 bits exceed it
 
 
 @functools.cache
 def _encoder(map_id: int) -> tuple[torch.Tensor, _Grid]:
     """The C++ encoder of one map (``Grid`` in the source) with the table it points into (cached together, so that
-    the pointer lives as long as the table): for each bfloat16 pattern of a magnitude in [0, 1], ``below << 17 |
-    distance``, where ``below`` counts the map's positive midpoints under the pattern's smallest float32 and
-    ``distance`` (bits) reaches the next one inside the pattern, or ``_NO_MIDPOINT``. The same codes as the chain's
-    ``encode`` (its first-guess table and midpoints, re-packed for one read); the signed maps are symmetric, so
-    negative values read their magnitude's entry (``_maps.dynamic_map``)."""
+    the pointer lives as long as the table). Entry ``pattern - base`` for each bfloat16 pattern of a y in [-1, 1]:
+    ``midpoint << 16 | code``. For y >= 0, ``code`` is the nearest code of the pattern's smallest float and
+    ``midpoint`` the low 16 bits of the map's midpoint inside the pattern (``_NONE`` if none): y's code is ``code``
+    plus one if its low 16 bits exceed ``midpoint``. For y < 0, whose code steps down as its low bits grow, both are
+    mirrored (``0xFFFF - bits``) and ``code`` is that of the pattern's largest magnitude, so that the same comparison
+    applies. The same codes as the chain's ``encode`` (its midpoints, re-packed for one read), ties included: y's code
+    is the number of midpoints below it."""
     _, thresholds = encode_tables("cpu")
     grid = _GRIDS[map_id]
     midpoints = thresholds[map_id, grid.zero : grid.zero + grid.top].view(torch.int32).to(torch.int64)
-    base = max((int(midpoints[0]) >> 16) - 1, 0)  # bucket 0 holds no midpoint: it also serves all smaller magnitudes
+    base = max((int(midpoints[0]) >> 16) - 1, 0)  # patterns up to base hold no midpoint
     starts = torch.arange(base, _ONE + 1, dtype=torch.int64) << 16
-    below = torch.searchsorted(midpoints, starts)  # midpoints < start
+    below = torch.searchsorted(midpoints, starts)  # positive midpoints < the pattern's smallest float
     inside = torch.searchsorted(midpoints, starts | 0xFFFF, right=True) - below  # midpoints in the pattern
     if bool((inside > 1).any()) or bool(inside[0]):
         raise AssertionError("a map has two midpoints inside one bfloat16 pattern; the C++ encoder is invalid")
-    following = midpoints[below.clamp(max=grid.top - 1)]
-    distance = torch.where(inside == 1, following - starts, _NO_MIDPOINT)
-    table = ((below << 17) | distance).to(torch.int32)
-    return table, _Grid(table.data_ptr(), base, grid.zero)
+    low = midpoints[below.clamp(max=grid.top - 1)] - starts  # the midpoint's low 16 bits, where inside == 1
+    has = inside == 1
+    positive = (torch.where(has, low, _NONE) << 16) | (grid.zero + below)
+    if grid.signed:  # -y has code zero - (midpoints <= |y|): the mirrored comparison removes the one at or below y
+        negative = (torch.where(has & (low > 0), _NONE - low, _NONE) << 16) | (grid.zero - below - has.long())
+    else:  # no midpoint below 0
+        negative = torch.full_like(positive, _NONE << 16 | grid.zero)
+    table = torch.zeros(_NEGATIVE + _ONE + 1 - base, dtype=torch.int64)
+    table[: positive.numel()] = positive
+    table[_NEGATIVE - base : _NEGATIVE] = _NONE << 16 | grid.zero  # -y below the first midpoint
+    table[_NEGATIVE:] = negative
+    table = torch.where(table >= 1 << 31, table - (1 << 32), table).to(torch.int32)  # uint32 bits as int32
+    return table, _Grid(table.data_ptr(), base)
 
 
 def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
@@ -159,7 +170,7 @@ def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
     y = y.detach().to(device="cpu", dtype=torch.float32).contiguous()
     codes = torch.empty(y.shape, dtype=torch.int32)
     _, grid = _encoder(map_id)
-    library.fadam_quantized_encode(y.data_ptr(), y.numel(), ctypes.byref(grid), _GRIDS[map_id].signed, codes.data_ptr())
+    library.fadam_quantized_encode(y.data_ptr(), y.numel(), ctypes.byref(grid), codes.data_ptr())
     return codes
 
 
