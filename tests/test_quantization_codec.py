@@ -4,6 +4,7 @@ from torch.func import vmap
 
 from fadam.quantization import dequantize_blockwise, dynamic_map, quantize_blockwise
 from fadam.quantization._codec import expected_sizes
+from fadam.quantization._maps import MAP_IDS, encode, tables_on
 
 
 def roundtrip(x, bits=8, block=256):
@@ -91,6 +92,26 @@ def test_non_finite_entries_do_not_set_the_scale():
     assert y[3] == q.absmax[0] and y[300] == 0 and y[301] == -q.absmax[1]
     _, y_clean = roundtrip(torch.where(finite, bad, 0.0))
     assert torch.equal(y[finite], y_clean[finite])
+
+
+def test_blocks_normalise_by_the_absmax_reciprocal():
+    # x * (1 / absmax), as bitsandbytes normalises: next to a midpoint it can round across it where x / absmax does not
+    absmax = torch.tensor(3.0)
+    mids = tables_on("cpu")[2][MAP_IDS["dynamic8_signed"]]
+    mids = mids[mids.isfinite() & (mids > 0)]
+    near = ((mids * absmax).view(torch.int32).unsqueeze(1) + torch.arange(-4, 5)).reshape(-1).view(torch.float32)
+    x = torch.cat([absmax.reshape(1), near[near < absmax]])
+    signed = torch.tensor(MAP_IDS["dynamic8_signed"], dtype=torch.uint8)
+    q = quantize_blockwise(x, bits=8, block_size=x.numel(), map_id=signed)
+    assert torch.equal(q.codes.to(torch.int32), encode(x * absmax.reciprocal(), signed))
+    assert not torch.equal(q.codes.to(torch.int32), encode((x / absmax).clamp(max=1.0), signed))
+
+
+def test_a_block_with_no_finite_absmax_reciprocal_stores_nonzero_entries_as_absmax():
+    x = torch.tensor([1e-40, -3e-41, 0.0, 2e-42])  # absmax below 2**-128: 1 / absmax overflows to inf
+    q, y = roundtrip(x, bits=8, block=4)
+    assert q.absmax.item() == x[0].item()
+    assert torch.equal(y, torch.tensor([1e-40, -1e-40, 0.0, 1e-40]))
 
 
 def test_4bit_zero_free_map_keeps_small_second_moments_positive():

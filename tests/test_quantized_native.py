@@ -14,8 +14,8 @@ import torch
 
 import fadam
 from fadam.quantization import _fused, _maps, _native
-from fadam.quantization._codec import map_pair, quantize_blockwise
-from fadam.quantization._maps import map_values, tables_on
+from fadam.quantization._codec import map_pair, quantize_blockwise, unpack_codes
+from fadam.quantization._maps import encode, map_values, tables_on
 
 
 def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
@@ -37,6 +37,8 @@ def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
             t[2 * block : 3 * block] = 0
         g[4 * block : 5 * block] = 1e-3  # a constant gradient block
         g[(rows // 2) * block + 7], g[(rows // 2 + 1) * block] = float("inf"), float("nan")  # in a later group
+        for t in (g, m, v):  # a block whose new absmax, below 2**-128, has no finite reciprocal
+            t[6 * block : 7 * block] *= 1e-40
     signed, unsigned = map_pair(bits)
     m_codes, m_absmax, m_map = quantized_rows(m, bits, block, signed if m_map_id is None else m_map_id)
     v_codes, v_absmax, v_map = quantized_rows(v, bits, block, unsigned)
@@ -169,6 +171,46 @@ def test_native_kernel_breaks_ties_at_midpoints_as_the_codec(bits):
         kernel(views, scalars, tables, config, bits)
         results.append(m_codes)
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("absmax", [3.0, 11.0])
+def test_native_kernel_normalises_by_the_absmax_reciprocal_as_the_codec(bits, absmax):
+    # m entries within a few ulps of midpoint * absmax, where x * (1 / absmax) and x / absmax round to opposite sides
+    # of a midpoint for some: both kernels must take the codec's product (b1 = 0: the new m is the gradient itself)
+    block = 256 if bits == 8 else 128
+    signed, unsigned = map_pair(bits)
+    mids = tables_on("cpu")[2][signed]
+    mids = mids[mids.isfinite() & (mids > 0)]
+    scale = torch.tensor(absmax)
+    near = ((mids * scale).view(torch.int32).unsqueeze(1) + torch.arange(-4, 5)).reshape(-1).view(torch.float32)
+    x = torch.cat([near, -near])
+    x = x[x.abs() < absmax]
+    by_product = encode((x * scale.reciprocal()).clamp(-1, 1), torch.tensor(signed, dtype=torch.uint8))
+    by_division = encode((x / scale).clamp(-1, 1), torch.tensor(signed, dtype=torch.uint8))
+    assert bool((by_product != by_division).any())  # the case discriminates
+    rows = 2 * 4096 // block + 3  # over two of the C++ kernel's groups: its fused loop and its plain one
+    g = torch.cat(
+        [
+            torch.full((rows, 1), absmax),
+            x.repeat(rows * block // x.numel() + 1)[: rows * (block - 1)].view(rows, block - 1),
+        ],
+        dim=1,
+    )
+    tables = tables_on("cpu")
+    results = []
+    for kernel in (_fused._rows_step_inplace, _native.step_rows):
+        m_codes, m_absmax, m_map = quantized_rows(torch.zeros(rows * block), bits, block, signed)
+        v_codes, v_absmax, v_map = quantized_rows(torch.zeros(rows * block), bits, block, unsigned)
+        scalars = tuple(torch.tensor(value) for value in (1e-3, 1.0, 1.0, 1.0))
+        maps = (map_values(m_map, tables), map_values(v_map, tables))
+        config = (0.0, 0.999, 1e-8, 0.0, False, False)
+        views = _fused.Rows(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1])
+        kernel(views, scalars, tables, config, bits)
+        results.append(unpack_codes(m_codes, bits))
+    assert torch.equal(results[0], results[1])
+    expected = encode((g * scale.reciprocal()).clamp(-1, 1), torch.tensor(signed, dtype=torch.uint8))
+    assert torch.equal(results[1], expected)
 
 
 def test_the_build_finds_the_ninja_package_off_path(monkeypatch):

@@ -2,14 +2,17 @@
 
 A tensor is flattened and cut into blocks of ``block_size`` elements (the last one zero-padded). Each block keeps its
 largest finite magnitude ``absmax`` in float32; each element keeps the code of the map entry nearest to
-``x / absmax``: one byte at 8 bits, two codes per byte at 4 bits (low nibble first). Which map decodes the codes is a
-0-d uint8 ``map_id`` computed on the tensor's device from the values themselves (no host sync): a tensor with no
-negative entry uses the non-negative map (twice the resolution at 8 bits; the zero-free linear map at 4 bits, for
-second moments), any other the signed dynamic map. Everything is plain tensor ops on the logical tensor, so under
-``torch.func.vmap`` each stacked member gets its own blocks and its own map.
+``x * (1 / absmax)`` (float32 reciprocal, then product: the normalisation bitsandbytes uses, one division a block
+rather than one an element): one byte at 8 bits, two codes per byte at 4 bits (low nibble first). Which map decodes
+the codes is a 0-d uint8 ``map_id`` computed on the tensor's device from the values themselves (no host sync): a
+tensor with no negative entry uses the non-negative map (twice the resolution at 8 bits; the zero-free linear map at
+4 bits, for second moments), any other the signed dynamic map. Everything is plain tensor ops on the logical tensor,
+so under ``torch.func.vmap`` each stacked member gets its own blocks and its own map.
 
 Non-finite entries never set a block's scale: ``absmax`` is taken over finite entries, ``+-inf`` is stored as
-``+-absmax`` and ``nan`` as 0 (no map has a code for them).
+``+-absmax`` and ``nan`` as 0 (no map has a code for them). ``x * (1 / absmax)`` is clamped to [-1, 1]: it exceeds 1
+only where ``1 / absmax`` overflows (an absmax below about 3e-39), and such a block stores its nonzero entries as
+``+-absmax``.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def encode_scaled(
     rows: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
 ) -> torch.Tensor:
     """The codes of ``rows`` for their ``row_absmax``: see ``encode_rows``."""
-    scale = torch.where(absmax > 0, absmax, 1.0).unsqueeze(-1)
-    y = rows / scale
+    inverse = torch.where(absmax > 0, absmax, 1.0).reciprocal().unsqueeze(-1)
+    y = rows * inverse
     y = torch.where(y != y, 0.0, y.clamp(-1.0, 1.0))  # nan_to_num, in ops inductor vectorises (isnan it does not)
     codes = encode(y, map_id, tables)
     if bits == 4:

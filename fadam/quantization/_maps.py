@@ -1,4 +1,4 @@
-"""Quantization maps: the sorted code values a block's normalised entries ``x / absmax`` are rounded to.
+"""Quantization maps: the sorted code values a block's normalised entries ``x * (1 / absmax)`` are rounded to.
 
 Every map is a sorted 1-D float32 tensor with at most 256 entries; a code is an index into it. The maps (Dettmers et
 al., 2022; Li et al., 2023):
