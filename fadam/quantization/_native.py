@@ -1,13 +1,14 @@
 """The quantized Adam step's CPU kernel: ``_adam_rows.cpp``, built on first use and called through ctypes.
 
 On the CPU, inductor's code for the fused step (``_fused.py``) reads each table entry in a scalar loop and goes
-through memory between its two kernels; this loop does the same math in one pass per block and vectorizes (16.8M
-params, 2 threads: 27.5 ms against inductor's 84 ms; see benchmarks/README.md). Its results equal the eager kernels
-bit for bit: ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it).
-Only float32 and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
+through memory between its two kernels; this loop does the same math in one pass per block, vectorized, with the
+second half of one group of blocks in the same loop as the first half of the next (16.8M params, 2 threads: about
+25 ms against inductor's 100 ms; see benchmarks/README.md). Its results equal the eager kernels bit for bit:
+ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it). Only float32
+and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
 
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which torch.compile's
-CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers: 3-6 s on two
+CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers: about 5 s on two
 cores. Its instruction set follows ATen's (``torch.backends.cpu.get_cpu_capability``), so that its multiply-adds are
 fused exactly where ATen's are. If the build fails, ``usable`` warns once and returns ``False``, and the compiled
 kernels serve.
