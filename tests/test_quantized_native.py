@@ -147,6 +147,25 @@ def test_a_failed_build_warns_once_and_the_compiled_kernels_serve(monkeypatch):
         _native._library.cache_clear()
 
 
+def m_codes_when_m_is_the_gradient(g: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Unpacked m codes after one step of each kernel (eager, C++) from zero moments, the rows of ``g`` as blocks, with
+    b1 = 0: the new m is the gradient itself."""
+    rows, block = g.shape
+    signed, unsigned = map_pair(bits)
+    tables = tables_on("cpu")
+    results = []
+    for kernel in (_fused._rows_step_inplace, _native.step_rows):
+        m_codes, m_absmax, m_map = quantized_rows(torch.zeros(rows * block), bits, block, signed)
+        v_codes, v_absmax, v_map = quantized_rows(torch.zeros(rows * block), bits, block, unsigned)
+        scalars = tuple(torch.tensor(value) for value in (1e-3, 1.0, 1.0, 1.0))
+        maps = (map_values(m_map, tables), map_values(v_map, tables))
+        config = (0.0, 0.999, 1e-8, 0.0, False, False)
+        views = _fused.Rows(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1])
+        kernel(views, scalars, tables, config, bits)
+        results.append(unpack_codes(m_codes, bits))
+    return results
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_native_kernel_breaks_ties_at_midpoints_as_the_codec(bits):
     # b1 = 0 makes the new m the gradient itself (lerp with weight 1), so m / absmax hits every midpoint exactly
@@ -158,19 +177,8 @@ def test_native_kernel_breaks_ties_at_midpoints_as_the_codec(bits):
     g[: 2 * mids.numel() + 1] = torch.cat([torch.ones(1), mids, -mids])
     g = g.view(rows, block)
     g[1:, 0] = 1.0  # every row's absmax is 1
-    tables = tables_on("cpu")
-    signed, unsigned = map_pair(bits)
-    results = []
-    for kernel in (_fused._rows_step_inplace, _native.step_rows):
-        m_codes, m_absmax, m_map = quantized_rows(torch.zeros(rows * block), bits, block, signed)
-        v_codes, v_absmax, v_map = quantized_rows(torch.zeros(rows * block), bits, block, unsigned)
-        scalars = tuple(torch.tensor(x) for x in (1e-3, 1.0, 1.0, 1.0))
-        maps = (map_values(m_map, tables), map_values(v_map, tables))
-        config = (0.0, 0.999, 1e-8, 0.0, False, False)
-        views = _fused.Rows(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1])
-        kernel(views, scalars, tables, config, bits)
-        results.append(m_codes)
-    assert torch.equal(results[0], results[1])
+    eager, native = m_codes_when_m_is_the_gradient(g, bits)
+    assert torch.equal(eager, native)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -179,7 +187,7 @@ def test_native_kernel_normalises_by_the_absmax_reciprocal_as_the_codec(bits, ab
     # m entries within a few ulps of midpoint * absmax, where x * (1 / absmax) and x / absmax round to opposite sides
     # of a midpoint for some: both kernels must take the codec's product (b1 = 0: the new m is the gradient itself)
     block = 256 if bits == 8 else 128
-    signed, unsigned = map_pair(bits)
+    signed = map_pair(bits)[0]
     mids = tables_on("cpu")[2][signed]
     mids = mids[mids.isfinite() & (mids > 0)]
     scale = torch.tensor(absmax)
@@ -197,20 +205,9 @@ def test_native_kernel_normalises_by_the_absmax_reciprocal_as_the_codec(bits, ab
         ],
         dim=1,
     )
-    tables = tables_on("cpu")
-    results = []
-    for kernel in (_fused._rows_step_inplace, _native.step_rows):
-        m_codes, m_absmax, m_map = quantized_rows(torch.zeros(rows * block), bits, block, signed)
-        v_codes, v_absmax, v_map = quantized_rows(torch.zeros(rows * block), bits, block, unsigned)
-        scalars = tuple(torch.tensor(value) for value in (1e-3, 1.0, 1.0, 1.0))
-        maps = (map_values(m_map, tables), map_values(v_map, tables))
-        config = (0.0, 0.999, 1e-8, 0.0, False, False)
-        views = _fused.Rows(torch.zeros(rows, block), g, m_codes, m_absmax, maps[0], v_codes, v_absmax, maps[1])
-        kernel(views, scalars, tables, config, bits)
-        results.append(unpack_codes(m_codes, bits))
-    assert torch.equal(results[0], results[1])
-    expected = encode((g * scale.reciprocal()).clamp(-1, 1), torch.tensor(signed, dtype=torch.uint8))
-    assert torch.equal(results[1], expected)
+    eager, native = m_codes_when_m_is_the_gradient(g, bits)
+    assert torch.equal(eager, native)
+    assert torch.equal(native, encode((g * scale.reciprocal()).clamp(-1, 1), torch.tensor(signed, dtype=torch.uint8)))
 
 
 def test_the_build_finds_the_ninja_package_off_path(monkeypatch):

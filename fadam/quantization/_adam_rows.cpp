@@ -221,6 +221,13 @@ inline float update_of(const UpdateRule<P>& rule, float m_new, float root, float
   return u;
 }
 
+// What a row's loop writes: the new param p + u into p or, kToOut, the update u itself into out; in p's dtype.
+template <typename P, bool kDecoupled, bool kToOut>
+inline typename P::Storage result_of(const UpdateRule<P>& rule, float m_new, float root, float param) {
+  const float u = update_of<P, kDecoupled>(rule, m_new, root, param);
+  return P::store(kToOut ? u : param + u);
+}
+
 // A row's absmax as bit patterns from the maxima of its moments' magnitude bits: those hold an inf or NaN only in
 // the rare row where a moment is not finite, which then takes the finite maximum over the row. True if finite.
 inline bool absmax_bits(int32_t m_top, int32_t v_top, const float* m, const float* v, int64_t n, int32_t* m_max,
@@ -267,13 +274,7 @@ __attribute__((noinline, noclone)) void finish_row(const Args& a, typename P::St
   const UpdateRule<P> rule(a);
   const int64_t n = a.block;  // a local: the code stores (uint8_t) may alias any field of `a`
   for (int64_t i = 0; i < n; ++i) {
-    const float param = P::load(p[i]);
-    const float u = update_of<P, kDecoupled>(rule, m[i], root[i], param);
-    if (kToOut) {
-      out[i] = P::store(u);
-    } else {
-      p[i] = P::store(param + u);
-    }
+    (kToOut ? out : p)[i] = result_of<P, kDecoupled, kToOut>(rule, m[i], root[i], P::load(p[i]));
     m_codes[i] = static_cast<uint8_t>(encode(unit(m[i], m_inverse), m_grid));
     v_codes[i] = static_cast<uint8_t>(encode(unit(v[i], v_inverse), v_grid));
   }
@@ -299,13 +300,7 @@ __attribute__((noinline, noclone)) bool fused_row(
   int32_t m_top = 0, v_top = 0;
   const int64_t n = a.block;
   for (int64_t i = 0; i < n; ++i) {
-    const float param = P::load(p[i]);
-    const float u = update_of<P, kDecoupled>(update_rule, m[i], root[i], param);
-    if (kToOut) {
-      out[i] = P::store(u);
-    } else {
-      p[i] = P::store(param + u);
-    }
+    (kToOut ? out : p)[i] = result_of<P, kDecoupled, kToOut>(update_rule, m[i], root[i], P::load(p[i]));
     m_codes[i] = static_cast<uint8_t>(encode(m[i] * m_inverse, m_grid));  // unit() without its clamps
     v_codes[i] = static_cast<uint8_t>(encode(v[i] * v_inverse, v_grid));
     float m_new, v_new;
