@@ -193,16 +193,19 @@ struct MomentRule {
         coefficient(small_weight ? a.b1_weight : a.b1_weight - 1.0f) {}
 };
 
-// New m and v of one element from its decoded moments, gradient and param.
+// New m and v of one element from its decoded moments, gradient and param into m_new, v_new, and their magnitude
+// bits into the row's running maxima m_top, v_top.
 template <typename P, bool kCoupled>
 inline void next_moments(const MomentRule<P>& rule, float m, float v, float gradient, float param, float& m_new,
-                         float& v_new) {
+                         float& v_new, int32_t& m_top, int32_t& v_top) {
   uint32_t bits;
   std::memcpy(&bits, &gradient, 4);
   float grad = from_bits(static_cast<int32_t>(bits ^ rule.gradient_sign));
   if (kCoupled) grad = add_scaled<P>(grad, param, rule.decay);  // torch.add(g, p, alpha=decay)
   m_new = multiply_add(rule.coefficient, grad - m, select(rule.small_weight, m, grad));
   v_new = multiply_add(rule.one_minus_b2 * grad, grad, v * rule.b2);  // addcmul(v * b2, g, g, value)
+  m_top = std::max(m_top, magnitude_bits(m_new));
+  v_top = std::max(v_top, magnitude_bits(v_new));
 }
 
 // The param update's constants.
@@ -252,13 +255,8 @@ __attribute__((noinline, noclone)) bool moments_row(const Args& a, const typenam
   int32_t m_top = 0, v_top = 0;
   const int64_t n = a.block;
   for (int64_t i = 0; i < n; ++i) {
-    float m_new, v_new;
     next_moments<P, kCoupled>(rule, m_map[m_codes[i]] * m_scale, v_map[v_codes[i]] * v_scale, P::load(g[i]),
-                              kCoupled ? P::load(p[i]) : 0.0f, m_new, v_new);
-    m_out[i] = m_new;
-    v_out[i] = v_new;
-    m_top = std::max(m_top, magnitude_bits(m_new));
-    v_top = std::max(v_top, magnitude_bits(v_new));
+                              kCoupled ? P::load(p[i]) : 0.0f, m_out[i], v_out[i], m_top, v_top);
   }
   return absmax_bits(m_top, v_top, m_out, v_out, n, m_max, v_max);
 }
@@ -303,14 +301,9 @@ __attribute__((noinline, noclone)) bool fused_row(
     (kToOut ? out : p)[i] = result_of<P, kDecoupled, kToOut>(update_rule, m[i], root[i], P::load(p[i]));
     m_codes[i] = static_cast<uint8_t>(encode(m[i] * m_inverse, m_grid));  // unit() without its clamps
     v_codes[i] = static_cast<uint8_t>(encode(v[i] * v_inverse, v_grid));
-    float m_new, v_new;
     next_moments<P, kCoupled>(moment_rule, m_map[next_m_codes[i]] * next_m_scale,
                               v_map[next_v_codes[i]] * next_v_scale, P::load(next_g[i]),
-                              kCoupled ? P::load(next_p[i]) : 0.0f, m_new, v_new);
-    next_m[i] = m_new;
-    next_v[i] = v_new;
-    m_top = std::max(m_top, magnitude_bits(m_new));
-    v_top = std::max(v_top, magnitude_bits(v_new));
+                              kCoupled ? P::load(next_p[i]) : 0.0f, next_m[i], next_v[i], m_top, v_top);
   }
   return absmax_bits(m_top, v_top, next_m, next_v, n, m_max, v_max);
 }
