@@ -1,6 +1,7 @@
 """The quantized Adam step's C++ CPU kernel (fadam/quantization/_native.py) against the eager kernels it replaces:
 params, updates, codes and absmax equal bit for bit."""
 
+import ctypes
 import itertools
 import os
 import platform
@@ -103,6 +104,28 @@ def test_native_kernel_equals_the_eager_kernels_on_other_cpu_capabilities(capabi
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.split()[0] == capability.upper()
+
+
+def _mkl_max_threads() -> int | None:
+    """MKL's thread count for the calling thread, where torch links MKL (None elsewhere)."""
+    try:
+        get = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).MKL_Get_Max_Threads
+    except (OSError, AttributeError):
+        return None
+    return get()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] and c[3] == 0 and c[1] in CONFIGS[:2]])
+def test_native_kernel_on_two_threads_equals_the_eager_kernels_and_restores_mkl_threads(case):
+    # each thread runs its own pipeline over its rows; the kernel limits MKL to one thread on each while it runs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        mkl_threads = _mkl_max_threads()
+        assert_kernels_equal(*case)
+        assert _mkl_max_threads() == mkl_threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
