@@ -10,8 +10,9 @@
    (fused step on the C++ kernel and, for comparison, on the torch.compile kernel it replaces on the CPU; ``update`` +
    ``apply_updates``, which runs the C++ kernel out of place), fadam 4-bit fused, fadam steps under torch.compile,
    torch.optim.AdamW and bitsandbytes Adam8bit; medians of interleaved runs, and ratios. Then the fused steps alone,
-   interleaved among themselves, for the target's ratio. Also the first-step build and compile times and a check that
-   changing the learning rate never recompiles.
+   interleaved among themselves, for the target's ratio: on the one tensor, and on as many params in 200 tensors (whole
+   blocks, then each with a ragged last block). Also the first-step build and compile times and a check that changing
+   the learning rate never recompiles.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -131,6 +133,66 @@ def median_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
+def interleaved(runners: dict[str, Callable[[int], None]], names: list[str], reps: int) -> dict[str, list[float]]:
+    """Seconds of each named step, ``reps`` times. Interleaved, so that machine noise hits every row alike; each timed
+    step follows an untimed one of the same optimizer, as in training: timed right after another row's step, fused
+    fp32 Adam took 18 ms instead of 12."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(reps):
+        for name in names:
+            runners[name](2 * i)
+            start = time.perf_counter()
+            runners[name](2 * i + 1)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _fused_step_runner(tx, params: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]):
+    box = {"p": {k: v.clone() for k, v in params.items()}}
+    box["s"] = tx.init(box["p"])
+
+    def run(i: int) -> None:
+        box["p"], box["s"] = fadam.step(tx, box["p"], grads[i % 2], box["s"], donate=True)
+
+    return run
+
+
+def _torch_fused_runner(params: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]):
+    torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
+    opt = torch.optim.AdamW(torch_params, lr=1e-3, fused=True)
+
+    def run(i: int) -> None:
+        for p, g in zip(torch_params, grads[i % 2].values()):
+            p.grad = g
+        opt.step()
+
+    return run
+
+
+def many_tensors_rows(n: int, reps: int) -> list[str]:
+    """The fused steps on about ``n`` params as 200 tensors, as a model holds them: each 8-bit leaf costs Python
+    and a kernel call, and a leaf whose size is not a multiple of 256 ends in a ragged block."""
+    rows = []
+    whole = (n // 200) // 256 * 256
+    for label, size in ((f"{whole} (whole blocks)", whole), (f"{whole + 100} (a ragged 100 at the end)", whole + 100)):
+        torch.manual_seed(0)
+        params = {f"w{k}": torch.randn(size) for k in range(200)}
+        grads = [{k: torch.randn(size) * 1e-2 for k in params} for _ in range(2)]
+        runners = {
+            "fadam adamw fp32, fused step": _fused_step_runner(fadam.adamw(lr=1e-3), params, grads),
+            "torch.optim.AdamW(fused=True)": _torch_fused_runner(params, grads),
+            "fadam adamw8bit, fused step (C++ kernel)": _fused_step_runner(fadam.adamw8bit(lr=1e-3), params, grads),
+        }
+        for runner in runners.values():
+            runner(0)
+        medians = {name: median_ms(ts) for name, ts in interleaved(runners, list(runners), reps).items()}
+        fp32, fused = medians["fadam adamw fp32, fused step"], medians["torch.optim.AdamW(fused=True)"]
+        rows.append(f"the fused steps on 200 tensors of {label}, interleaved ({reps} reps; as above):")
+        for name, ms in medians.items():
+            rows.append(f"  {name}: {ms:.1f} ms, {ms / fp32:.2f}x | {ms / fused:.2f}x")
+    return rows
+
+
 def speed_table(quick: bool, reps: int) -> list[str]:
     n = (1 << 20) if quick else (1 << 24)
     torch.manual_seed(0)
@@ -214,19 +276,7 @@ def speed_table(quick: bool, reps: int) -> list[str]:
     for run in runners.values():
         run(1)  # warm up
 
-    def interleaved(names: list[str], reps: int) -> dict[str, list[float]]:
-        # Interleaved, so that machine noise hits every row alike; each timed step follows an untimed one of the same
-        # optimizer, as in training: timed right after another row's step, fused fp32 Adam took 18 ms instead of 12.
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for i in range(reps):
-            for name in names:
-                runners[name](2 * i)
-                start = time.perf_counter()
-                runners[name](2 * i + 1)
-                times[name].append(time.perf_counter() - start)
-        return times
-
-    times = interleaved(list(runners), reps)
+    times = interleaved(runners, list(runners), reps)
     # The target's ratio from the fused steps alone: in the full cycle a fused step also pays for what the step before
     # its untimed one (a pure update, bitsandbytes) left in the caches, which moves the fp32 row by up to 25% per run.
     head_names = [
@@ -235,7 +285,7 @@ def speed_table(quick: bool, reps: int) -> list[str]:
         "fadam adamw8bit, fused step (C++ kernel)",
         "fadam adamw4bit, fused step (C++ kernel)",
     ]
-    head = {name: median_ms(ts) for name, ts in interleaved(head_names, 3 * reps).items()}
+    head = {name: median_ms(ts) for name, ts in interleaved(runners, head_names, 3 * reps).items()}
     recompiled = counters["stats"]["unique_graphs"] - graphs
     fp32 = median_ms(times["fadam adamw fp32, fused step"])
     fp32_pure = median_ms(times["fadam adamw fp32, pure update"])
@@ -249,6 +299,7 @@ def speed_table(quick: bool, reps: int) -> list[str]:
                 "torch.optim.AdamW(fused=True)):")  # fmt: skip
     for name, ms in head.items():
         rows.append(f"  {name}: {ms:.1f} ms, {ms / head[head_names[0]]:.2f}x | {ms / head[head_names[1]]:.2f}x")
+    rows += many_tensors_rows(n, 3 * reps)
     if bnb is not None:
         ours = median_ms(times["fadam adamw8bit, fused step (C++ kernel)"])
         ratio = ours / median_ms(times["bitsandbytes AdamW8bit"])

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch._C import _functorch
 
-FUSED_DEVICE_TYPES = ("cpu", "cuda")
+FUSED_DEVICE_TYPES = ("cpu", "cuda")  # plain_on_fused_devices asks is_cpu and is_cuda
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -63,11 +63,30 @@ def can_write_in_place(tensor: torch.Tensor) -> bool:
     return is_plain(tensor) or (is_dtensor(tensor) and not (tensor.requires_grad and torch.is_grad_enabled()))
 
 
+def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every tensor is present, plain (``is_plain``) and on a fused device: one leaf's check costs little, but
+    a step checks several per leaf, so tracing and grad mode are asked once for all of them."""
+    if torch.compiler.is_compiling():  # functorch_wrapped's answer while tracing
+        return False
+    grad_enabled = torch.is_grad_enabled()
+    wrapped = _functorch.is_functorch_wrapped_tensor
+    return all(
+        tensor is not None
+        and type(tensor) in _PLAIN_TYPES
+        and tensor.layout == torch.strided
+        and not wrapped(tensor)
+        and not (grad_enabled and tensor.requires_grad)
+        and (tensor.is_cpu or tensor.is_cuda)  # FUSED_DEVICE_TYPES
+        for tensor in tensors
+    )
+
+
 def can_fuse(tensors: Iterable[torch.Tensor | None]) -> bool:
     """Whether an in-place fused kernel may run on these tensors (none missing, all plain, on a fused device)."""
+    tensors = tuple(tensors)
+    if not plain_on_fused_devices(tensors):
+        return False
     for tensor in tensors:
-        if tensor is None or not is_plain(tensor) or tensor.device.type not in FUSED_DEVICE_TYPES:
-            return False
         dtype = tensor.dtype
         if dtype.is_complex:
             dtype = torch.empty((), dtype=dtype).real.dtype

@@ -10,6 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import optree
 import pytest
 import torch
 
@@ -17,6 +18,8 @@ import fadam
 from fadam.quantization import _fused, _maps, _native
 from fadam.quantization._codec import map_pair, quantize_blockwise, unpack_codes
 from fadam.quantization._maps import encode, map_values, tables_on
+
+_DTYPES = {code: dtype for dtype, code in _native._PARAM_DTYPES.items()}
 
 
 def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
@@ -128,6 +131,43 @@ def test_native_kernel_on_two_threads_equals_the_eager_kernels_and_restores_mkl_
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(
+    ("make", "n", "ragged_in_kernel"),
+    [
+        (fadam.adamw8bit, 5 * 256 + 1, True),
+        (fadam.adam8bit, 3 * 256 + 255, True),
+        (fadam.adamw8bit, 100, True),  # no whole block at all
+        (fadam.adamw4bit, 9 * 128 + 100, True),
+        (fadam.adam4bit, 9 * 128 + 127, False),  # odd at 4 bits: half a byte, the eager path's
+    ],
+)
+def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, ragged_in_kernel, monkeypatch):
+    torch.manual_seed(n)
+    params = {"w": torch.randn(n), "c": torch.randn(2 * 256 + 6).to(torch.bfloat16), "b": torch.randn(9)}
+    grads = [
+        {k: (torch.randn(v.shape) * 10.0 ** torch.randint(-6, 2, v.shape)).to(v.dtype) for k, v in params.items()}
+        for _ in range(3)
+    ]
+    grads[1]["w"][-1] = float("nan")  # a non-finite moment in the ragged block: the kernel's clamping path
+    grads[2]["c"][-2] = float("inf")
+    tx = make(lr=1e-2, weight_decay=0.1, min_size=50)
+    results, blocks = [], []
+    run = _native._run
+    monkeypatch.setattr(_native, "_run", lambda args: blocks.extend((a.rows, a.block) for a in args) or run(args))
+    for native in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            if not native:  # the eager kernels: the rows chunk by chunk, the ragged block by the codec
+                patch.setattr(_native, "usable", lambda *args: False)
+            p, s = params, tx.init(params)
+            for i, g in enumerate(grads):
+                p, s = fadam.step(tx, p, g, s, donate=i == 2)
+            updates, update_s = tx.update(grads[0], s, p)
+            results.append(optree.tree_leaves((p, s, updates, update_s)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert ((1, n % (256 if "8bit" in make.__name__ else 128)) in blocks) == ragged_in_kernel
+
+
 def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
     # the chain may have stored m with the non-negative map; the kernel decodes it with it and writes the signed one
     eager, native = run_both(8, CONFIGS[1], 0, 0, m_map_id=map_pair(8)[1])
@@ -136,14 +176,15 @@ def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
 
 def test_step_runs_the_native_kernel_for_float32_and_bfloat16_cpu_params(unfused, monkeypatch):
     calls = []
-    native_step = _native.step_rows
-    monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(a[0].p.dtype) or native_step(*a, **k))
+    run = _native._run
+    monkeypatch.setattr(_native, "_run", lambda args: calls.extend(_DTYPES[a.param_dtype] for a in args) or run(args))
+    # w: 10 whole blocks; b: 2 and a ragged block, which the kernel takes as a one-row call of its own
     params = {"w": torch.randn(40, 64), "b": torch.randn(700).to(torch.bfloat16), "h": torch.randn(700).half()}
     tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     new_p, _ = fadam.step(tx, params, grads, tx.init(params))
     updates, _ = chain.update(grads, chain.init(params), params)
-    assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32"]  # float16 takes the compiled kernels
+    assert sorted(map(str, calls)) == ["torch.bfloat16"] * 2 + ["torch.float32"]  # float16: the compiled kernels
     for k in params:
         assert torch.equal(new_p[k], fadam.apply_updates(params, updates)[k]), k
 
@@ -245,8 +286,8 @@ def test_the_build_finds_the_ninja_package_off_path(monkeypatch):
 
 def test_under_torch_compile_the_step_traces_the_torch_kernels(monkeypatch):
     calls = []
-    native_step = _native.step_rows
-    monkeypatch.setattr(_native, "step_rows", lambda *a, **k: calls.append(1) or native_step(*a, **k))
+    run = _native._run
+    monkeypatch.setattr(_native, "_run", lambda args: calls.append(1) or run(args))
     params, grads = {"w": torch.randn(64, 256)}, {"w": torch.randn(64, 256)}
     tx = fadam.adamw8bit(lr=1e-2, min_size=100)
 

@@ -481,14 +481,20 @@ void dispatch(const Args& a) {
 
 }  // namespace
 
-extern "C" int fadam_quantized_adam_rows(const Args* args) {
-  if (args->bits != 8 && (args->bits != 4 || args->block % 2 != 0)) return 1;
-  if (args->param_dtype == 0) {
-    dispatch<Float32>(*args);
-  } else if (args->param_dtype == 1) {
-    dispatch<BFloat16>(*args);
-  } else {
-    return 2;
+// Runs the rows of each of `count` Args (a step's leaves, and their ragged last blocks as one-row Args of that
+// length) one after the other. Returns 0, or i + 1 for the first Args the kernel cannot run, having run none.
+extern "C" int64_t fadam_quantized_adam_leaves(const Args* args, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const Args& a = args[i];
+    const bool bits_ok = a.bits == 8 || (a.bits == 4 && a.block % 2 == 0);
+    if (!bits_ok || (a.param_dtype != 0 && a.param_dtype != 1) || a.block < 1 || a.rows < 0) return i + 1;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    if (args[i].param_dtype == 0) {
+      dispatch<Float32>(args[i]);
+    } else {
+      dispatch<BFloat16>(args[i]);
+    }
   }
   return 0;
 }

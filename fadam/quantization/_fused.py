@@ -4,23 +4,24 @@
 ``update`` (the second kernel then writes the update into a fresh tensor and the codes into copies of the state, so that
 ``apply_updates`` gives the fused step's params bit for bit). Each quantized leaf is viewed as ``(blocks, block_size)``
 rows. float32 and bfloat16 params on the CPU go to a C++ kernel (``_native.py``: one pass per block, about 4x faster
-than inductor's code for the kernels below, equal to their eager form bit for bit). Other rows are processed in chunks
-of about 1M elements by two ``torch.compile``-d kernels: the first decodes a chunk's codes and computes the new float32
-moments and each row's new absmax; the second computes the new param and writes the new codes and absmax in place. The
-absmax needs the whole row before any code; as one kernel, inductor made that two loops over the rows that both decoded
-the codes, while here the second kernel reads the first one's moments back from the cache (8 MB a chunk). Codes are
-decoded with one table read each and encoded with an arithmetic first guess and one midpoint read
-(``fadam.quantization._maps.encode``); a ragged last block runs the same math eagerly. The learning rate and bias
-corrections are 0-d tensors and the row count becomes a dynamic size after the second shape: at most two compilations of
-each kernel per (dtype, bits, block size, hyperparameters) serve every param shape and step. The math and its order are
-``quantize_state(scale_by_adam)`` followed by the learning rate and weight decay, as the chain computes them, except
-that ATen's CPU lerp rounds a fused multiply-add once where the compiled kernel rounds twice: about one new m entry in
-ten differs by an ulp, which rarely moves a code by one step (12 of 16.8M m codes in one step on random data). Codes are
-decoded with the map they were stored with; the new m is encoded with the signed map and the new v with the non-negative
-one (v >= 0 by construction), where the chain picks from the values (it may choose the non-negative map for an m that
-happens to have no negative entry; either decodes). Small leaves (full-precision state) run the same math eagerly.
-Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous params, tensor weight decay, an ``update``
-without params) takes the chain.
+than inductor's code for the kernels below, equal to their eager form bit for bit), all of a step's leaves in one call,
+each leaf's ragged last block as a one-row call of its length (at 4 bits an even one only). Other rows are processed in
+chunks of about 1M elements by two ``torch.compile``-d kernels: the first decodes a chunk's codes and computes the new
+float32 moments and each row's new absmax; the second computes the new param and writes the new codes and absmax in
+place. The absmax needs the whole row before any code; as one kernel, inductor made that two loops over the rows that
+both decoded the codes, while here the second kernel reads the first one's moments back from the cache (8 MB a chunk).
+Codes are decoded with one table read each and encoded with an arithmetic first guess and one midpoint read
+(``fadam.quantization._maps.encode``); a ragged last block (of these kernels' leaves, or odd at 4 bits) runs the same
+math eagerly. The learning rate and bias corrections are 0-d tensors and the row count becomes a dynamic size after the
+second shape: at most two compilations of each kernel per (dtype, bits, block size, hyperparameters) serve every param
+shape and step. The math and its order are ``quantize_state(scale_by_adam)`` followed by the learning rate and weight
+decay, as the chain computes them, except that ATen's CPU lerp rounds a fused multiply-add once where the compiled
+kernel rounds twice: about one new m entry in ten differs by an ulp, which rarely moves a code by one step (12 of 16.8M
+m codes in one step on random data). Codes are decoded with the map they were stored with; the new m is encoded with the
+signed map and the new v with the non-negative one (v >= 0 by construction), where the chain picks from the values (it
+may choose the non-negative map for an m that happens to have no negative entry; either decodes). Small leaves
+(full-precision state) run the same math eagerly. Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov,
+non-contiguous params, tensor weight decay, an ``update`` without params) takes the chain.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import FusedStep, ScalarOrSchedule
-from fadam._dispatch import FUSED_DEVICE_TYPES, is_plain
+from fadam._dispatch import plain_on_fused_devices
 from fadam._fused import _advance, _learning_rate
 from fadam._numerics import bias_correction, safe_increment
 from fadam._tree import PyTree, check_leaves
@@ -280,7 +281,7 @@ def fused_quantized_adam_step(
                     return None  # the chain raises the error that names the leaf
             else:
                 tensors += [m, v]
-        if not all(t is not None and is_plain(t) and t.device.type in FUSED_DEVICE_TYPES for t in tensors) or any(
+        if not plain_on_fused_devices(tensors) or any(
             p.dtype != g.dtype or not p.is_floating_point() for p, g in zip(param_leaves, grad_leaves)
         ):
             return None
@@ -301,6 +302,8 @@ def fused_quantized_adam_step(
                 # separate 0-d tensors: a (4,) tensor would share its size with a 4-row param and pin it
                 on_device[p.device] = tuple(moved.unbind())
         new_params, new_mus, new_nus = [], [], []
+        cpu_scalars = on_device.get(torch.device("cpu"))
+        leaves = None if cpu_scalars is None else native.Leaves(cpu_scalars, config, bits, block_size)
         with torch.no_grad():
             for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
                 if not isinstance(m, QuantizedArray):
@@ -312,15 +315,18 @@ def fused_quantized_adam_step(
                             target.copy_(value)
                         p_new, m_new, v_new = p, m, v
                 else:
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], mode)
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], mode, leaves)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
+            if leaves is not None:
+                leaves.run()  # the C++ kernel's leaves, all in one call
         new_adam = ScaleByAdamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
         new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
         return spec.unflatten(new_params), new_state
 
-    def _quantized_leaf(p, g, m, v, scalars, mode):
+    def _quantized_leaf(p, g, m, v, scalars, mode, leaves):
+        # the C++ kernel's leaves are only recorded in `leaves` here; the caller runs them all at once
         device = p.device
         signed, unsigned = map_pair(bits)
         if mode != "donate":
@@ -330,24 +336,23 @@ def fused_quantized_adam_step(
         out = torch.empty_like(p) if mode == "update" else None  # p is contiguous, and so is out
         rows = p.numel() // block_size
         width = block_size if bits == 8 else block_size // 2
-        if rows:
-            p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g.contiguous(), rows, block_size)[0]
+        g = g.contiguous()
+        ragged_done = False  # whether the kernel takes the ragged last block too
+        if compile and leaves is not None and native.usable(p, g, out, m, v):
+            ragged_done = leaves.add(p, g, out, m, v)
+        elif rows:
+            p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g, rows, block_size)[0]
             m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
             tables = tables_on(device)
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             views = Rows(p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
-            if not compile:
-                run = _rows_step_inplace
-            elif native.usable(views, out_rows):
-                run = native.step_rows
-            else:
-                run = _kernel()
+            run = _kernel() if compile else _rows_step_inplace
             run(views, scalars, tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
         new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
         new_v_map = torch.full_like(v.map_id, unsigned)
-        if tail:  # the ragged last block, eagerly, with the same math and the codec's padding
+        if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
             p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
             m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
             m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)

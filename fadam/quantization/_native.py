@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fadam.quantization._codec import map_pair
-from fadam.quantization._maps import _GRIDS, Tables, encode_tables, tables_on
+from fadam.quantization._codec import QuantizedArray, map_pair
+from fadam.quantization._maps import _GRIDS, MAP_IDS, Tables, encode_tables, tables_on
 
 if TYPE_CHECKING:  # _fused imports this module
     from fadam.quantization._fused import Rows
@@ -110,8 +110,8 @@ def _library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
-    library.fadam_quantized_adam_rows.argtypes = [ctypes.POINTER(_Args)]
-    library.fadam_quantized_adam_rows.restype = ctypes.c_int
+    library.fadam_quantized_adam_leaves.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
+    library.fadam_quantized_adam_leaves.restype = ctypes.c_int64
     library.fadam_quantized_encode.argtypes = [
         ctypes.c_void_p,
         ctypes.c_int64,
@@ -175,6 +175,44 @@ def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
     return codes
 
 
+def _shared_args(scalars: tuple[torch.Tensor, ...], config: tuple, bits: int) -> _Args:
+    """An ``_Args`` with the fields every leaf of one step shares (hyperparameters, this step's scalars, the
+    encoders); a leaf's tensors and sizes are filled into a copy of it."""
+    b1, b2, eps, weight_decay, decoupled, maximize = config
+    (_, m_grid), (_, v_grid) = (_encoder(map_id) for map_id in map_pair(bits))
+    lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
+    return _Args(
+        m_grid=m_grid,
+        v_grid=v_grid,
+        bits=bits,
+        maximize=bool(maximize),
+        coupled_decay=bool(weight_decay) and not decoupled,
+        decoupled_decay=bool(weight_decay) and decoupled,
+        b1_weight=1 - b1,
+        b2=b2,
+        one_minus_b2=1 - b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        lr=lr,
+        bc1=bc1,
+        bc2_sqrt=bc2_sqrt,
+        factor=factor,
+    )
+
+
+def _run(args: list[_Args]) -> None:
+    if not args:
+        return
+    failed = _library().fadam_quantized_adam_leaves((_Args * len(args))(*args), len(args))
+    if failed:
+        bad = args[failed - 1]
+        dtype = next((d for d, code in _PARAM_DTYPES.items() if code == bad.param_dtype), "another dtype")
+        raise ValueError(
+            f"the quantized Adam CPU kernel takes 8 or 4 bits (an even block) and float32 or bfloat16 params, got "
+            f"{bad.bits} bits, block {bad.block}, {dtype}"
+        )
+
+
 def step_rows(
     views: Rows,
     scalars: tuple[torch.Tensor, ...],
@@ -183,55 +221,78 @@ def step_rows(
     bits: int,
     out: torch.Tensor | None = None,
 ) -> None:
-    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The caller checks ``usable``.
-    ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_encoder``)."""
+    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. ``tables`` goes unread: the kernel
+    encodes with tables packed from the CPU ones once (``_encoder``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
-    b1, b2, eps, weight_decay, decoupled, maximize = config
-    (_, m_grid), (_, v_grid) = (_encoder(map_id) for map_id in map_pair(bits))
-    lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
-    args = _Args(
-        *(t.data_ptr() if t is not None else None for t in (p, g, out, m_codes, m_absmax, v_codes, v_absmax)),
-        m_map.data_ptr(),
-        v_map.data_ptr(),
-        m_grid,
-        v_grid,
-        p.shape[0],
-        p.shape[1],
-        bits,
-        _PARAM_DTYPES[p.dtype],
-        bool(maximize),
-        bool(weight_decay) and not decoupled,
-        bool(weight_decay) and decoupled,
-        1 - b1,
-        b2,
-        1 - b2,
-        eps,
-        weight_decay,
-        lr,
-        bc1,
-        bc2_sqrt,
-        factor,
-    )
-    if _library().fadam_quantized_adam_rows(ctypes.byref(args)) != 0:
-        raise ValueError(
-            f"the quantized Adam CPU kernel takes 8 or 4 bits (an even block) and float32 or bfloat16 params, got "
-            f"{bits} bits, block {p.shape[1]}, {p.dtype}"
-        )
+    args = _Args.from_buffer_copy(_shared_args(scalars, config, bits))
+    for name, t in (("p", p), ("g", g), ("out", out), ("m_codes", m_codes), ("m_absmax", m_absmax)):
+        setattr(args, name, None if t is None else t.data_ptr())
+    for name, t in (("v_codes", v_codes), ("v_absmax", v_absmax), ("m_map", m_map), ("v_map", v_map)):
+        setattr(args, name, t.data_ptr())
+    args.rows, args.block, args.param_dtype = p.shape[0], p.shape[1], _PARAM_DTYPES.get(p.dtype, -1)
+    _run([args])
 
 
-def usable(views: Rows, out: torch.Tensor | None) -> bool:
-    """Whether ``step_rows`` can run on these row views: float32 or bfloat16 params (and gradients, updates), uint8
-    codes and float32 absmax on the CPU, all contiguous, a library that built, and no torch.compile tracing (a
-    ctypes call would break its graph; the torch kernels trace)."""
-    if torch.compiler.is_compiling():
+class Leaves:
+    """One step's quantized leaves for the kernel, run together by ``run``: one call into the library for all of
+    them, where a call per leaf cost more Python than a 4096-element leaf's work. ``add`` checks a leaf (``usable``
+    first) and records its pointers; nothing runs until ``run``."""
+
+    def __init__(self, scalars: tuple[torch.Tensor, ...], config: tuple, bits: int, block_size: int) -> None:
+        self._maps = tables_on("cpu")[0]  # (maps, 256) float32: a map's values at map_id * 1024 bytes; builds _GRIDS
+        self._shared = _shared_args(scalars, config, bits)
+        self._bits, self._block = bits, block_size
+        self._args: list[_Args] = []
+        self._tensors: list[torch.Tensor] = []  # alive until run: a caller's contiguous copy of a gradient, say
+
+    def add(
+        self, p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray
+    ) -> bool:
+        """Records the leaf's whole blocks and, where the kernel can take it, its ragged last block (any length at 8
+        bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is left to the caller."""
+        n, block = p.numel(), self._block
+        rows, tail = divmod(n, block)
+        row_bytes = self._maps.stride(0) * 4
+        maps = self._maps.data_ptr() + m.map_id.item() * row_bytes, self._maps.data_ptr() + v.map_id.item() * row_bytes
+        width, size = (block if self._bits == 8 else block // 2), p.element_size()
+        parts = [(0, rows, block)] if rows else []
+        takes_tail = tail > 0 and (self._bits == 8 or tail % 2 == 0)
+        if takes_tail:
+            parts.append((rows, 1, tail))
+        self._tensors += [p, g, m.codes, m.absmax, v.codes, v.absmax, *([] if out is None else [out])]
+        for first, count, length in parts:
+            args = _Args.from_buffer_copy(self._shared)
+            offset = first * block  # elements before this part: its rows' codes start at first * width bytes
+            args.p, args.g = p.data_ptr() + offset * size, g.data_ptr() + offset * size
+            args.out = None if out is None else out.data_ptr() + offset * size
+            args.m_codes, args.v_codes = m.codes.data_ptr() + first * width, v.codes.data_ptr() + first * width
+            args.m_absmax, args.v_absmax = m.absmax.data_ptr() + first * 4, v.absmax.data_ptr() + first * 4
+            args.m_map, args.v_map = maps
+            args.rows, args.block, args.param_dtype = count, length, _PARAM_DTYPES[p.dtype]
+            self._args.append(args)
+        return tail == 0 or takes_tail
+
+    def run(self) -> None:
+        if self._args:
+            _run(self._args)
+        self._args.clear()
+        self._tensors.clear()
+
+
+def usable(p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray) -> bool:
+    """Whether the kernel can run this leaf: float32 or bfloat16 params (and gradients, updates), uint8 codes and
+    float32 absmax on the CPU, all contiguous, stored maps the kernel knows, a library that built, and no
+    torch.compile tracing (a ctypes call would break its graph; the torch kernels trace)."""
+    if torch.compiler.is_compiling() or p.dtype not in _PARAM_DTYPES:
         return False
-    params = [views.p, views.g, *([] if out is None else [out])]
-    floats = [views.m_absmax, views.m_map, views.v_absmax, views.v_map]
+    params = (p, g) if out is None else (p, g, out)
+    tensors = (*params, m.codes, m.absmax, m.map_id, v.codes, v.absmax, v.map_id)
     return (
-        views.p.dtype in _PARAM_DTYPES
-        and all(t.dtype == views.p.dtype for t in params)
-        and views.m_codes.dtype == views.v_codes.dtype == torch.uint8
-        and all(t.dtype == torch.float32 for t in floats)
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in (*params, *floats, views.m_codes, views.v_codes))
+        all(t.dtype == p.dtype for t in params)
+        and m.codes.dtype == v.codes.dtype == torch.uint8
+        and m.absmax.dtype == v.absmax.dtype == torch.float32
+        and all(t.is_cpu and t.is_contiguous() for t in tensors)
+        and 0 <= m.map_id.item() < len(MAP_IDS)
+        and 0 <= v.map_id.item() < len(MAP_IDS)
         and _library() is not None
     )
