@@ -140,10 +140,17 @@ def test_native_kernel_on_two_threads_equals_the_eager_kernels_and_restores_mkl_
         (fadam.adamw4bit, 9 * 128 + 100, True),
         (fadam.adam4bit, 9 * 128 + 127, False),  # odd at 4 bits: half a byte, the eager path's
     ],
-)
-def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, ragged_in_kernel, monkeypatch):
+)  # "c" (bfloat16) keeps its ragged block eager under Adam's L2 decay (adam8bit, adam4bit): see _native.Leaves.add
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, ragged_in_kernel, threads, monkeypatch):
+    # One call runs every leaf: with two threads they split the leaves' rows between them (here mid-leaf in "d")
     torch.manual_seed(n)
-    params = {"w": torch.randn(n), "c": torch.randn(2 * 256 + 6).to(torch.bfloat16), "b": torch.randn(9)}
+    params = {
+        "w": torch.randn(n),
+        "c": torch.randn(2 * 256 + 6).to(torch.bfloat16),
+        "b": torch.randn(9),
+        "d": torch.randn(40 * 256 + 2),
+    }
     grads = [
         {k: (torch.randn(v.shape) * 10.0 ** torch.randint(-6, 2, v.shape)).to(v.dtype) for k, v in params.items()}
         for _ in range(3)
@@ -154,15 +161,20 @@ def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, r
     results, blocks = [], []
     run = _native._run
     monkeypatch.setattr(_native, "_run", lambda args: blocks.extend((a.rows, a.block) for a in args) or run(args))
-    for native in (True, False):
-        with pytest.MonkeyPatch.context() as patch:
-            if not native:  # the eager kernels: the rows chunk by chunk, the ragged block by the codec
-                patch.setattr(_native, "usable", lambda *args: False)
-            p, s = params, tx.init(params)
-            for i, g in enumerate(grads):
-                p, s = fadam.step(tx, p, g, s, donate=i == 2)
-            updates, update_s = tx.update(grads[0], s, p)
-            results.append(optree.tree_leaves((p, s, updates, update_s)))
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for native in (True, False):
+            with pytest.MonkeyPatch.context() as patch:
+                if not native:  # the eager kernels: the rows chunk by chunk, the ragged block by the codec
+                    patch.setattr(_native, "usable", lambda *args: False)
+                p, s = params, tx.init(params)
+                for i, g in enumerate(grads):
+                    p, s = fadam.step(tx, p, g, s, donate=i == 2)
+                updates, update_s = tx.update(grads[0], s, p)
+                results.append(optree.tree_leaves((p, s, updates, update_s)))
+    finally:
+        torch.set_num_threads(previous_threads)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert ((1, n % (256 if "8bit" in make.__name__ else 128)) in blocks) == ragged_in_kernel

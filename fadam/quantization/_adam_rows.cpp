@@ -358,102 +358,110 @@ struct Kernels {
                 const int32_t*, const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
 };
 
+// Rows per group for a row length: its square roots are taken in one call, as are the next group's.
+int64_t group_rows(int64_t block) { return std::max<int64_t>(1, kGroupElements / block); }
+
 // A group's new moments, their square roots and absmax, between the two halves of its step.
 struct Group {
   std::vector<float> m, v, root, m_absmax, v_absmax;
   std::vector<char> finite;
   int64_t first = 0, count = 0;
-  Group(int64_t rows, int64_t block)
-      : m(rows * block), v(rows * block), root(rows * block), m_absmax(rows), v_absmax(rows), finite(rows) {}
+  Group(int64_t elements, int64_t rows)
+      : m(elements), v(elements), root(elements), m_absmax(rows), v_absmax(rows), finite(rows) {}
 };
 
-// The rows of a thread run as a pipeline over groups: the moments of group k + 1 are computed in the same loops as
-// the params and codes of group k (fused_row), after group k's square roots.
+// One thread's buffers, sized for the longest group and row of a call's Args and reused across them.
+struct Scratch {
+  Group current, next;
+  std::vector<int32_t> m_index, v_index;  // a row's codes widened to int32
+  std::vector<uint8_t> m_codes, v_codes;  // a 4-bit row's codes before they are packed
+  Scratch(int64_t elements, int64_t rows, int64_t block)
+      : current(elements, rows), next(elements, rows), m_index(block), v_index(block), m_codes(block), v_codes(block) {}
+};
+
+// Rows [begin, end) of `a` run as a pipeline over groups: the moments of group k + 1 are computed in the same loops
+// as the params and codes of group k (fused_row), after group k's square roots.
 template <typename P>
-void run(const Args& a, const Kernels<P>& kernels) {
+void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, Scratch& scratch) {
   using Storage = typename P::Storage;
   Storage* params = static_cast<Storage*>(a.p);
   const Storage* grads = static_cast<const Storage*>(a.g);
   Storage* updates = static_cast<Storage*>(a.out);
   const int64_t block = a.block, code_width = a.bits == 8 ? block : block / 2;
-  const int64_t group_rows = std::max<int64_t>(1, kGroupElements / block);
-  at::parallel_for(0, a.rows, group_rows, [&](int64_t begin, int64_t end) {
-    const MklOnThisThread mkl_on_this_thread;
-    Group current(group_rows, block), next(group_rows, block);
-    std::vector<int32_t> m_index(block), v_index(block);
-    std::vector<uint8_t> m_codes(a.bits == 8 ? 0 : block), v_codes(a.bits == 8 ? 0 : block);
-    // the widened codes of row r, into m_index, v_index
-    const auto load_codes = [&](int64_t r) {
-      const uint8_t* m_in = a.m_codes + r * code_width;
-      const uint8_t* v_in = a.v_codes + r * code_width;
-      if (a.bits == 4) {
-        unpack_nibbles(m_in, m_index.data(), code_width);
-        unpack_nibbles(v_in, v_index.data(), code_width);
-      } else {
-        widen(m_in, m_index.data(), block);
-        widen(v_in, v_index.data(), block);
-      }
-    };
-    // row j of group `to`: its moments alone
-    const auto moments = [&](Group& to, int64_t j) {
-      const int64_t r = to.first + j;
-      load_codes(r);
+  const int64_t rows_per_group = group_rows(block);
+  Group* current = &scratch.current;
+  Group* next = &scratch.next;
+  int32_t* m_index = scratch.m_index.data();
+  int32_t* v_index = scratch.v_index.data();
+  // the widened codes of row r, into m_index, v_index
+  const auto load_codes = [&](int64_t r) {
+    const uint8_t* m_in = a.m_codes + r * code_width;
+    const uint8_t* v_in = a.v_codes + r * code_width;
+    if (a.bits == 4) {
+      unpack_nibbles(m_in, m_index, code_width);
+      unpack_nibbles(v_in, v_index, code_width);
+    } else {
+      widen(m_in, m_index, block);
+      widen(v_in, v_index, block);
+    }
+  };
+  // row j of group `to`: its moments alone
+  const auto moments = [&](Group& to, int64_t j) {
+    const int64_t r = to.first + j;
+    load_codes(r);
+    int32_t m_max, v_max;
+    to.finite[j] = kernels.moments(a, params + r * block, grads + r * block, m_index, v_index, a.m_absmax[r],
+                                   a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block, &m_max, &v_max);
+    to.m_absmax[j] = from_bits(m_max);
+    to.v_absmax[j] = from_bits(v_max);
+  };
+  const auto codes_out = [&](uint8_t* codes, uint8_t* unpacked, int64_t r) {
+    return a.bits == 8 ? codes + r * code_width : unpacked;
+  };
+  // row j of group `from`: its param and codes, with row j of group `to`'s moments where `to` has that row
+  const auto finish = [&](Group& from, int64_t j, Group& to) {
+    const int64_t r = from.first + j;
+    Storage* out = updates == nullptr ? nullptr : updates + r * block;
+    uint8_t* m_out = codes_out(a.m_codes, scratch.m_codes.data(), r);
+    uint8_t* v_out = codes_out(a.v_codes, scratch.v_codes.data(), r);
+    const float m_inverse = 1.0f / (from.m_absmax[j] > 0.0f ? from.m_absmax[j] : 1.0f);
+    const float v_inverse = 1.0f / (from.v_absmax[j] > 0.0f ? from.v_absmax[j] : 1.0f);
+    const float* m = from.m.data() + j * block;
+    const float* v = from.v.data() + j * block;
+    const float* root = from.root.data() + j * block;
+    // an absmax below about 3e-39 has no finite reciprocal: x * inverse leaves [-1, 1] there (finish_row clamps)
+    if (j < to.count && from.finite[j] && m_inverse < INFINITY && v_inverse < INFINITY) {
+      const int64_t s = to.first + j;
+      load_codes(s);
       int32_t m_max, v_max;
-      to.finite[j] = kernels.moments(a, params + r * block, grads + r * block, m_index.data(), v_index.data(),
-                                     a.m_absmax[r], a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block,
-                                     &m_max, &v_max);
+      to.finite[j] = kernels.fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
+                                   params + s * block, grads + s * block, m_index, v_index, a.m_absmax[s],
+                                   a.v_absmax[s], to.m.data() + j * block, to.v.data() + j * block, &m_max, &v_max);
       to.m_absmax[j] = from_bits(m_max);
       to.v_absmax[j] = from_bits(v_max);
-    };
-    const auto codes_out = [&](uint8_t* codes, uint8_t* scratch, int64_t r) {
-      return a.bits == 8 ? codes + r * code_width : scratch;
-    };
-    // row j of group `from`: its param and codes, with row j of group `to`'s moments where `to` has that row
-    const auto finish = [&](Group& from, int64_t j, Group& to) {
-      const int64_t r = from.first + j;
-      Storage* out = updates == nullptr ? nullptr : updates + r * block;
-      uint8_t* m_out = codes_out(a.m_codes, m_codes.data(), r);
-      uint8_t* v_out = codes_out(a.v_codes, v_codes.data(), r);
-      const float m_inverse = 1.0f / (from.m_absmax[j] > 0.0f ? from.m_absmax[j] : 1.0f);
-      const float v_inverse = 1.0f / (from.v_absmax[j] > 0.0f ? from.v_absmax[j] : 1.0f);
-      const float* m = from.m.data() + j * block;
-      const float* v = from.v.data() + j * block;
-      const float* root = from.root.data() + j * block;
-      // an absmax below about 3e-39 has no finite reciprocal: x * inverse leaves [-1, 1] there (finish_row clamps)
-      if (j < to.count && from.finite[j] && m_inverse < INFINITY && v_inverse < INFINITY) {
-        const int64_t s = to.first + j;
-        load_codes(s);
-        int32_t m_max, v_max;
-        to.finite[j] = kernels.fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
-                                     params + s * block, grads + s * block, m_index.data(), v_index.data(),
-                                     a.m_absmax[s], a.v_absmax[s], to.m.data() + j * block,
-                                     to.v.data() + j * block, &m_max, &v_max);
-        to.m_absmax[j] = from_bits(m_max);
-        to.v_absmax[j] = from_bits(v_max);
-      } else {
-        // a row with an inf or NaN moment, or the last group of a thread's rows
-        kernels.finish(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out);
-        if (j < to.count) moments(to, j);
-      }
-      if (a.bits == 4) {
-        pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
-        pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
-      }
-      a.m_absmax[r] = from.m_absmax[j];
-      a.v_absmax[r] = from.v_absmax[j];
-    };
-    current.first = begin;
-    current.count = std::min(group_rows, end - begin);
-    for (int64_t j = 0; j < current.count; ++j) moments(current, j);
-    square_roots(current.v.data(), current.root.data(), current.count * block);
-    while (current.count > 0) {
-      next.first = current.first + current.count;
-      next.count = std::min(group_rows, end - next.first);
-      for (int64_t j = 0; j < current.count; ++j) finish(current, j, next);
-      if (next.count > 0) square_roots(next.v.data(), next.root.data(), next.count * block);
-      std::swap(current, next);
+    } else {
+      // a row with an inf or NaN moment, or the last group of a thread's rows of this Args
+      kernels.finish(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out);
+      if (j < to.count) moments(to, j);
     }
-  });
+    if (a.bits == 4) {
+      pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
+      pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
+    }
+    a.m_absmax[r] = from.m_absmax[j];
+    a.v_absmax[r] = from.v_absmax[j];
+  };
+  current->first = begin;
+  current->count = std::min(rows_per_group, end - begin);
+  for (int64_t j = 0; j < current->count; ++j) moments(*current, j);
+  square_roots(current->v.data(), current->root.data(), current->count * block);
+  while (current->count > 0) {
+    next->first = current->first + current->count;
+    next->count = std::min(rows_per_group, end - next->first);
+    for (int64_t j = 0; j < current->count; ++j) finish(*current, j, *next);
+    if (next->count > 0) square_roots(next->v.data(), next->root.data(), next->count * block);
+    std::swap(current, next);
+  }
 }
 
 // Calls f with std::true_type or std::false_type: a runtime flag as a template argument.
@@ -463,7 +471,7 @@ void with_flag(bool flag, F&& f) {
 }
 
 template <typename P>
-void dispatch(const Args& a) {
+void dispatch(const Args& a, int64_t begin, int64_t end, Scratch& scratch) {
   Kernels<P> kernels{};
   with_flag(a.coupled_decay, [&](auto coupled) {
     constexpr bool kCoupled = decltype(coupled)::value;
@@ -476,26 +484,44 @@ void dispatch(const Args& a) {
       });
     });
   });
-  run<P>(a, kernels);
+  run<P>(a, kernels, begin, end, scratch);
 }
 
 }  // namespace
 
-// Runs the rows of each of `count` Args (a step's leaves, and their ragged last blocks as one-row Args of that
-// length) one after the other. Returns 0, or i + 1 for the first Args the kernel cannot run, having run none.
+// Runs the rows of `count` Args: a step's leaves, and their ragged last blocks as one-row Args of that length. The
+// threads split all the rows in one parallel region, each running its share Args by Args (a region per leaf cost
+// more than a small leaf's work, which then ran on one thread). Returns 0, or i + 1 for the first Args the kernel
+// cannot run, having run none.
 extern "C" int64_t fadam_quantized_adam_leaves(const Args* args, int64_t count) {
+  std::vector<int64_t> first_row(count + 1, 0);
+  int64_t elements = 0, rows = 0, block = 0;  // the largest group and row: each thread's scratch
   for (int64_t i = 0; i < count; ++i) {
     const Args& a = args[i];
     const bool bits_ok = a.bits == 8 || (a.bits == 4 && a.block % 2 == 0);
     if (!bits_ok || (a.param_dtype != 0 && a.param_dtype != 1) || a.block < 1 || a.rows < 0) return i + 1;
+    first_row[i + 1] = first_row[i] + a.rows;
+    elements = std::max(elements, group_rows(a.block) * a.block);
+    rows = std::max(rows, group_rows(a.block));
+    block = std::max(block, a.block);
   }
-  for (int64_t i = 0; i < count; ++i) {
-    if (args[i].param_dtype == 0) {
-      dispatch<Float32>(args[i]);
-    } else {
-      dispatch<BFloat16>(args[i]);
+  // grain: a group of 256-element rows
+  at::parallel_for(0, first_row[count], group_rows(256), [&](int64_t begin, int64_t end) {
+    const MklOnThisThread mkl_on_this_thread;
+    Scratch scratch(elements, rows, block);
+    // the Args whose rows overlap [begin, end), each with its part of them
+    for (int64_t i = std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1;
+         i < count && first_row[i] < end; ++i) {
+      const int64_t from = std::max(begin, first_row[i]) - first_row[i];
+      const int64_t to = std::min(end, first_row[i + 1]) - first_row[i];
+      if (from >= to) continue;  // an Args with no rows
+      if (args[i].param_dtype == 0) {
+        dispatch<Float32>(args[i], from, to, scratch);
+      } else {
+        dispatch<BFloat16>(args[i], from, to, scratch);
+      }
     }
-  }
+  });
   return 0;
 }
 

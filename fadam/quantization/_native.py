@@ -249,14 +249,20 @@ class Leaves:
         self, p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray
     ) -> bool:
         """Records the leaf's whole blocks and, where the kernel can take it, its ragged last block (any length at 8
-        bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is left to the caller."""
+        bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is left to the caller.
+
+        Not for bfloat16 params with Adam's L2 decay either: the chain's ``torch.add(g, p, alpha)`` takes ATen's
+        scalar loop for a leaf's last ``numel % 64`` elements (its vector loop steps two 32-lane vectors), which rounds
+        ``alpha * p`` to bfloat16 before adding, where the vector loop, which the kernel follows, rounds once; blocks
+        being multiples of 64, the eager ragged block ends in the same scalar loop."""
         n, block = p.numel(), self._block
         rows, tail = divmod(n, block)
         row_bytes = self._maps.stride(0) * 4
         maps = self._maps.data_ptr() + m.map_id.item() * row_bytes, self._maps.data_ptr() + v.map_id.item() * row_bytes
         width, size = (block if self._bits == 8 else block // 2), p.element_size()
         parts = [(0, rows, block)] if rows else []
-        takes_tail = tail > 0 and (self._bits == 8 or tail % 2 == 0)
+        scalar_tail = p.dtype == torch.bfloat16 and self._shared.coupled_decay
+        takes_tail = tail > 0 and (self._bits == 8 or tail % 2 == 0) and not scalar_tail
         if takes_tail:
             parts.append((rows, 1, tail))
         self._tensors += [p, g, m.codes, m.absmax, v.codes, v.absmax, *([] if out is None else [out])]
