@@ -30,6 +30,10 @@ def kernel(request) -> str:
     return request.param
 
 
+def _quantized(state) -> fadam.QuantizedState:
+    return next(s for s in state if isinstance(s, fadam.QuantizedState))
+
+
 def dequantized_moments(state, params, bits, block):
     inner = next(s for s in state if isinstance(s, fadam.QuantizedState)).inner_state
     out = []
@@ -109,20 +113,27 @@ def test_fused_step_bf16_params(unfused):
         torch.testing.assert_close(fused_updates[k], updates[k], rtol=0, atol=0)
 
 
-def test_fused_step_reads_a_state_written_by_the_chain(unfused):
-    # step 1 with all-positive gradients: the chain stores m with the non-negative map; the kernels must decode it
-    params = {"w": torch.randn(1000)}
-    tx, chain = fadam.adam8bit(lr=1e-2, min_size=1), unfused(fadam.adam8bit, lr=1e-2, min_size=1)
-    _, state = chain.update({"w": torch.rand(1000)}, tx.init(params), params)
-    inner = state[0].inner_state
+@pytest.mark.parametrize(
+    ("dtype", "weight_decay"),
+    [(torch.float32, 0.0), (torch.bfloat16, 0.1)],  # bfloat16 with L2 decay: the ragged block runs eagerly
+)
+def test_fused_step_reads_a_state_written_by_the_chain(unfused, dtype, weight_decay):
+    # step 1 with all-positive gradients: the chain stores m with the non-negative map; the kernels must decode it,
+    # the ragged last block (1000 = 3 * 256 + 232) included
+    params = {"w": torch.rand(1000).to(dtype)}  # positive, as the first gradients: the decay keeps m positive
+    kwargs = {"lr": 1e-2, "min_size": 1, "weight_decay": weight_decay}
+    tx, chain = fadam.adam8bit(**kwargs), unfused(fadam.adam8bit, **kwargs)
+    _, state = chain.update({"w": torch.rand(1000).to(dtype)}, tx.init(params), params)
+    inner = _quantized(state).inner_state
     assert int(inner.mu["w"].map_id) == 1
-    grads = {"w": torch.randn(1000)}
+    grads = {"w": torch.randn(1000).to(dtype)}
     fused_p, fused_s = fadam.step(tx, params, grads, state)
     fused_updates, update_s = tx.update(grads, state, params)
     updates, _ = chain.update(grads, state, params)
     torch.testing.assert_close(fused_p["w"], fadam.apply_updates(params, updates)["w"], rtol=0, atol=1e-6)
     torch.testing.assert_close(fused_updates["w"], updates["w"], rtol=0, atol=1e-6)
-    assert int(fused_s[0].inner_state.mu["w"].map_id) == int(update_s[0].inner_state.mu["w"].map_id) == 0
+    assert int(_quantized(fused_s).inner_state.mu["w"].map_id) == int(_quantized(update_s).inner_state.mu["w"].map_id)
+    assert int(_quantized(fused_s).inner_state.mu["w"].map_id) == 0
 
 
 def test_fused_step_declines_what_it_cannot_run():

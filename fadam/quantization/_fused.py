@@ -227,6 +227,14 @@ def _with_fallback(compiled: Callable[..., Any], eager: Callable[..., Any]) -> C
     return run
 
 
+def _with_map(q: QuantizedArray, map_id: int) -> QuantizedArray:
+    """``q`` with ``map_id``, the map its codes are about to be written with. A CPU map_id that already holds it is
+    kept (``q``'s tensors are the step's own: donated, or copies), as the kernel's leaves usually have it."""
+    if q.map_id.is_cpu and q.map_id.item() == map_id:
+        return q
+    return q._replace(map_id=torch.full_like(q.map_id, map_id))  # on an accelerator, a kernel: no host sync
+
+
 def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat = t.view(-1)
     return flat[: rows * width].view(rows, width), flat[rows * width :].view(1, -1)
@@ -350,8 +358,7 @@ def fused_quantized_adam_step(
             run = _kernel() if compile else _rows_step_inplace
             run(views, scalars, tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
-        new_m_map = torch.full_like(m.map_id, signed)  # a kernel, not a host-to-device copy
-        new_v_map = torch.full_like(v.map_id, unsigned)
+        new_m, new_v = _with_map(m, signed), _with_map(v, unsigned)  # their codes and absmax are m's and v's
         if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
             p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
             m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
@@ -363,10 +370,10 @@ def fused_quantized_adam_step(
                 p_tail.add_(u)  # as the kernel: p + u
             else:
                 out.view(-1)[rows * block_size :].copy_(u)
-            for old, full, map_id in ((m_tail, m_full, new_m_map), (v_tail, v_full, new_v_map)):
+            for old, full, map_id in ((m_tail, m_full, new_m.map_id), (v_tail, v_full, new_v.map_id)):
                 new = quantize_blockwise(full, bits, block_size, map_id=map_id)
                 old.codes.copy_(new.codes)
                 old.absmax.copy_(new.absmax)
-        return p if out is None else out, m._replace(map_id=new_m_map), v._replace(map_id=new_v_map)
+        return p if out is None else out, new_m, new_v
 
     return fused_step, fused_update
