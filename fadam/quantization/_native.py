@@ -3,7 +3,7 @@
 On the CPU, inductor's code for the fused step (``_fused.py``) reads each table entry in a scalar loop and goes
 through memory between its two kernels; this loop does the same math in one pass per block, vectorized, with the
 second half of one group of blocks in the same loop as the first half of the next (16.8M params, 2 threads: about
-20 ms against inductor's 93 ms; see benchmarks/README.md). Its results equal the eager kernels bit for bit:
+20 ms against inductor's 80-93 ms; see benchmarks/README.md). Its results equal the eager kernels bit for bit:
 ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it). Only float32
 and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
 
