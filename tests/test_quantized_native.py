@@ -355,3 +355,31 @@ def test_the_native_encoder_table_rejects_a_map_with_two_midpoints_in_one_patter
             _native._encoder(1)
     finally:
         _native._encoder.cache_clear()
+
+
+def test_a_param_that_two_leaves_share_is_updated_by_one_after_the_other(monkeypatch):
+    # tied weights, donated: the second leaf's step reads the first one's result, as with a call per leaf, even when
+    # the threads would otherwise split the two leaves between them
+    torch.manual_seed(0)
+    shared = torch.randn(64 * 256)
+    grads = {"a": torch.randn(64 * 256), "b": torch.randn(64 * 256)}
+    tx = fadam.adamw8bit(lr=1e-2, weight_decay=0.1, min_size=1)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for native in (True, False):
+            with pytest.MonkeyPatch.context() as patch:
+                if not native:
+                    patch.setattr(_native, "usable", lambda *args: False)
+                w = shared.clone()
+                params = {"a": w, "b": w}
+                state = tx.init(params)
+                for _ in range(2):
+                    params, state = fadam.step(tx, params, grads, state, donate=True)
+                assert params["a"] is w and params["b"] is w
+                results.append(optree.tree_leaves((params, state)))
+    finally:
+        torch.set_num_threads(previous_threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

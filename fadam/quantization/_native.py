@@ -235,8 +235,10 @@ def step_rows(
 
 class Leaves:
     """One step's quantized leaves for the kernel, run together by ``run``: one call into the library for all of
-    them, where a call per leaf cost more Python than a 4096-element leaf's work. ``add`` checks a leaf (``usable``
-    first) and records its pointers; nothing runs until ``run``."""
+    them, where a call per leaf cost more Python than a 4096-element leaf's work. ``add`` records a leaf's pointers
+    (its caller checks ``usable`` first); nothing runs until ``run``, except that a leaf writing what an earlier one
+    writes (tied weights, donated) first runs those before it, so that it reads their results as it would in
+    order: in one call, the threads could split the two leaves between them."""
 
     def __init__(self, scalars: tuple[torch.Tensor, ...], config: tuple, bits: int, block_size: int) -> None:
         self._maps = tables_on("cpu")[0]  # (maps, 256) float32: a map's values at map_id * 1024 bytes; builds _GRIDS
@@ -244,6 +246,7 @@ class Leaves:
         self._bits, self._block = bits, block_size
         self._args: list[_Args] = []
         self._tensors: list[torch.Tensor] = []  # alive until run: a caller's contiguous copy of a gradient, say
+        self._written: set[int] = set()  # data pointers of the tensors the recorded leaves write
 
     def add(
         self, p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray
@@ -265,6 +268,11 @@ class Leaves:
         takes_tail = tail > 0 and (self._bits == 8 or tail % 2 == 0) and not scalar_tail
         if takes_tail:
             parts.append((rows, 1, tail))
+        written = {(p if out is None else out).data_ptr(), m.codes.data_ptr(), m.absmax.data_ptr()}
+        written |= {v.codes.data_ptr(), v.absmax.data_ptr()}
+        if not written.isdisjoint(self._written):
+            self.run()
+        self._written |= written
         self._tensors += [p, g, m.codes, m.absmax, v.codes, v.absmax, *([] if out is None else [out])]
         for first, count, length in parts:
             args = _Args.from_buffer_copy(self._shared)
@@ -283,6 +291,7 @@ class Leaves:
             _run(self._args)
         self._args.clear()
         self._tensors.clear()
+        self._written.clear()
 
 
 def usable(p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray) -> bool:
