@@ -252,7 +252,6 @@ def fused_quantized_adam_step(
     maximize: bool,
     bits: int,
     block_size: int,
-    compile: bool = True,
 ) -> tuple[FusedStep, Callable[..., tuple[PyTree, PyTree] | None]]:
     """``(fused_step, fused_update)``: ``fused_step(params, grads, state, donate)`` returns ``(new_params,
     new_state)`` and ``fused_update(grads, state, params)`` returns ``(updates, new_state)``, nothing modified, where
@@ -311,7 +310,7 @@ def fused_quantized_adam_step(
                 on_device[p.device] = tuple(moved.unbind())
         new_params, new_mus, new_nus = [], [], []
         cpu_scalars = on_device.get(torch.device("cpu"))
-        leaves = None if cpu_scalars is None else native.Leaves(cpu_scalars, config, bits, block_size)
+        leaves = native.Leaves(cpu_scalars, config, bits, block_size) if cpu_scalars else None
         with torch.no_grad():
             for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
                 if not isinstance(m, QuantizedArray):
@@ -346,7 +345,7 @@ def fused_quantized_adam_step(
         width = block_size if bits == 8 else block_size // 2
         g = g.contiguous()
         ragged_done = False  # whether the kernel takes the ragged last block too
-        if compile and leaves is not None and native.usable(p, g, out, m, v):
+        if leaves is not None and native.usable(p, g, out, m, v):
             ragged_done = leaves.add(p, g, out, m, v)
         elif rows:
             p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g, rows, block_size)[0]
@@ -355,8 +354,7 @@ def fused_quantized_adam_step(
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             views = Rows(p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
-            run = _kernel() if compile else _rows_step_inplace
-            run(views, scalars, tables, config, bits, out=out_rows)
+            _kernel()(views, scalars, tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
         new_m, new_v = _with_map(m, signed), _with_map(v, unsigned)  # their codes and absmax are m's and v's
         if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
