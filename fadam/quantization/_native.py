@@ -221,8 +221,9 @@ def step_rows(
     bits: int,
     out: torch.Tensor | None = None,
 ) -> None:
-    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. ``tables`` goes unread: the kernel
-    encodes with tables packed from the CPU ones once (``_encoder``)."""
+    """``_fused._rows_step_inplace`` in C++: the same arguments, the same results. The step itself passes its leaves
+    through ``Leaves``; this row-level form is how tests compare the kernel with the eager kernels on crafted rows.
+    ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_encoder``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     args = _Args.from_buffer_copy(_shared_args(scalars, config, bits))
     for name, t in (("p", p), ("g", g), ("out", out), ("m_codes", m_codes), ("m_absmax", m_absmax)):
