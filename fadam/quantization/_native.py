@@ -22,7 +22,7 @@ import functools
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -200,6 +200,17 @@ def _shared_args(scalars: tuple[torch.Tensor, ...], config: tuple, bits: int) ->
     )
 
 
+def _leaf_args(shared: _Args, pointers: Sequence[int | None], rows: int, block: int, param_dtype: int) -> _Args:
+    """A copy of a step's shared ``_Args`` for ``rows`` rows of ``block`` elements at ``pointers``: the addresses of
+    p, g, out (or None), m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, in that order."""
+    args = _Args.from_buffer_copy(shared)
+    args.p, args.g, args.out, args.m_codes, args.m_absmax, args.v_codes, args.v_absmax, args.m_map, args.v_map = (
+        pointers
+    )
+    args.rows, args.block, args.param_dtype = rows, block, param_dtype
+    return args
+
+
 def _run(args: list[_Args]) -> None:
     if not args:
         return
@@ -225,13 +236,10 @@ def step_rows(
     through ``Leaves``; this row-level form is how tests compare the kernel with the eager kernels on crafted rows.
     ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_encoder``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
-    args = _Args.from_buffer_copy(_shared_args(scalars, config, bits))
-    for name, t in (("p", p), ("g", g), ("out", out), ("m_codes", m_codes), ("m_absmax", m_absmax)):
-        setattr(args, name, None if t is None else t.data_ptr())
-    for name, t in (("v_codes", v_codes), ("v_absmax", v_absmax), ("m_map", m_map), ("v_map", v_map)):
-        setattr(args, name, t.data_ptr())
-    args.rows, args.block, args.param_dtype = p.shape[0], p.shape[1], _PARAM_DTYPES.get(p.dtype, -1)
-    _run([args])
+    tensors = (p, g, out, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map)  # _leaf_args' order
+    pointers = [None if t is None else t.data_ptr() for t in tensors]
+    shared = _shared_args(scalars, config, bits)
+    _run([_leaf_args(shared, pointers, p.shape[0], p.shape[1], _PARAM_DTYPES.get(p.dtype, -1))])
 
 
 class Leaves:
@@ -269,22 +277,20 @@ class Leaves:
         takes_tail = tail > 0 and (self._bits == 8 or tail % 2 == 0) and not scalar_tail
         if takes_tail:
             parts.append((rows, 1, tail))
-        written = {(p if out is None else out).data_ptr(), m.codes.data_ptr(), m.absmax.data_ptr()}
-        written |= {v.codes.data_ptr(), v.absmax.data_ptr()}
+        p_at, g_at, out_at = p.data_ptr(), g.data_ptr(), None if out is None else out.data_ptr()
+        m_codes, m_absmax, v_codes, v_absmax = (t.data_ptr() for t in (m.codes, m.absmax, v.codes, v.absmax))
+        written = {p_at if out_at is None else out_at, m_codes, m_absmax, v_codes, v_absmax}
         if not written.isdisjoint(self._written):
             self.run()
         self._written |= written
         self._tensors += [p, g, m.codes, m.absmax, v.codes, v.absmax, *([] if out is None else [out])]
         for first, count, length in parts:
-            args = _Args.from_buffer_copy(self._shared)
-            offset = first * block  # elements before this part: its rows' codes start at first * width bytes
-            args.p, args.g = p.data_ptr() + offset * size, g.data_ptr() + offset * size
-            args.out = None if out is None else out.data_ptr() + offset * size
-            args.m_codes, args.v_codes = m.codes.data_ptr() + first * width, v.codes.data_ptr() + first * width
-            args.m_absmax, args.v_absmax = m.absmax.data_ptr() + first * 4, v.absmax.data_ptr() + first * 4
-            args.m_map, args.v_map = maps
-            args.rows, args.block, args.param_dtype = count, length, _PARAM_DTYPES[p.dtype]
-            self._args.append(args)
+            skip, codes_skip, absmax_skip = first * block * size, first * width, first * 4  # bytes before this part
+            pointers = (
+                p_at + skip, g_at + skip, None if out_at is None else out_at + skip, m_codes + codes_skip,
+                m_absmax + absmax_skip, v_codes + codes_skip, v_absmax + absmax_skip, *maps,
+            )  # fmt: skip
+            self._args.append(_leaf_args(self._shared, pointers, count, length, _PARAM_DTYPES[p.dtype]))
         return tail == 0 or takes_tail
 
     def run(self) -> None:
