@@ -208,7 +208,7 @@ def speed_table(quick: bool, reps: int) -> list[str]:
 
         def run(i: int) -> None:
             # native=False: the torch.compile kernel, which the C++ one replaces on the CPU (kept for comparison)
-            with contextlib.nullcontext() if native else mock.patch.object(_native, "usable", return_value=False):
+            with contextlib.nullcontext() if native else mock.patch.object(_native, "available", return_value=False):
                 if fused:
                     box["p"], box["s"] = fadam.step(tx, box["p"], grads[i % 2], box["s"], donate=True)
                 else:

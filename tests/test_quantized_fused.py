@@ -19,7 +19,7 @@ from fadam.quantization import QuantizedArray, _fused, _native, dequantize_block
 @pytest.fixture
 def torch_kernels(monkeypatch) -> None:
     """CPU params take the torch.compile kernels, as float16 and GPU params do, instead of the C++ one."""
-    monkeypatch.setattr(_native, "usable", lambda *args: False)
+    monkeypatch.setattr(_native, "available", lambda: False)
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -150,6 +150,57 @@ def test_fused_step_declines_what_it_cannot_run():
     assert tx.update.fused_step(strided, grads, tx.init(strided), False) is None
 
 
+def _corrupt(q, name):
+    """``q`` with one part malformed: what a hand-built or damaged checkpoint could hold."""
+    if name == "short codes":
+        return q._replace(codes=q.codes[:-1].clone())
+    if name == "short absmax":
+        return q._replace(absmax=q.absmax[:-1].clone())
+    if name == "2-d codes":
+        return q._replace(codes=q.codes.reshape(2, -1).clone())
+    if name == "strided codes":
+        return q._replace(codes=torch.stack([q.codes, q.codes], dim=1)[:, 0])
+    if name == "int32 codes":
+        return q._replace(codes=q.codes.to(torch.int32))
+    if name == "float64 absmax":
+        return q._replace(absmax=q.absmax.double())
+    if name == "unknown map id":
+        return q._replace(map_id=torch.tensor(9, dtype=torch.uint8))
+    assert name == "1-d map id"
+    return q._replace(map_id=q.map_id.reshape(1))
+
+
+@pytest.mark.parametrize("moment", ["mu", "nu"])
+@pytest.mark.parametrize(
+    "corruption",
+    [
+        "short codes",
+        "short absmax",
+        "2-d codes",
+        "strided codes",
+        "int32 codes",
+        "float64 absmax",
+        "unknown map id",
+        "1-d map id",
+    ],
+)
+def test_fused_step_leaves_a_malformed_state_to_the_chain_before_writing_anything(moment, corruption):
+    # The C++ kernel writes through the addresses of the codes and absmax: every leaf is checked before any is
+    # written, and a malformed one sends the whole step to the chain (which raises the error that names it, or runs).
+    params = {"a": torch.randn(1024), "b": torch.randn(1024)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx = fadam.adamw8bit(lr=1e-2, min_size=1)
+    state = tx.init(params)
+    state = fadam.step(tx, params, grads, state)[1]  # nonzero moments
+    quantized = _quantized(state)
+    moments = getattr(quantized.inner_state, moment)
+    bad_inner = quantized.inner_state._replace(**{moment: {**moments, "b": _corrupt(moments["b"], corruption)}})
+    bad_state = tuple(quantized._replace(inner_state=bad_inner) if s is quantized else s for s in state)
+    before = [t.clone() for t in optree.tree_leaves((params, bad_state))]
+    assert tx.update.fused_step(params, grads, bad_state, True) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((params, bad_state))))
+
+
 @pytest.mark.parametrize(("make", "bits"), [(fadam.adamw8bit, 8), (fadam.adam4bit, 4)])
 def test_fused_step_chunks_agree_with_one_chunk(make, bits, monkeypatch, torch_kernels):
     # Rows run in chunks through two kernels (moments and absmax, then param and codes); chunk boundaries, a short
@@ -235,7 +286,7 @@ def test_update_falls_back_to_the_chain_for_graphs_and_vmap(unfused, monkeypatch
     calls = []
     monkeypatch.setattr(_fused, "_kernel", lambda: calls.append(1) or _fused._rows_step_inplace)
     run = _native._run
-    monkeypatch.setattr(_native, "_run", lambda args: calls.append(1) or run(args))
+    monkeypatch.setattr(_native, "_run", lambda shared, fields: calls.append(1) or run(shared, fields))
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "min_size": 100}
     tx, chain = fadam.adamw8bit(**kwargs), unfused(fadam.adamw8bit, **kwargs)
     params = {"w": torch.randn(600)}

@@ -19,7 +19,15 @@ from fadam.quantization import _fused, _maps, _native
 from fadam.quantization._codec import map_pair, quantize_blockwise, unpack_codes
 from fadam.quantization._maps import encode, map_values, tables_on
 
-_DTYPES = {code: dtype for dtype, code in _native._PARAM_DTYPES.items()}
+_DTYPES = {code: dtype for dtype, code in _native.PARAM_DTYPES.items()}
+
+
+def leaf_parts(fields: list[int]) -> list[tuple[int, int, torch.dtype]]:
+    """(rows, row length, param dtype) of each leaf in the fields of a ``_native._run`` call."""
+    width = _native._LEAF_FIELDS
+    return [
+        (*fields[i + width - 3 : i + width - 1], _DTYPES[fields[i + width - 1]]) for i in range(0, len(fields), width)
+    ]
 
 
 def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
@@ -160,14 +168,18 @@ def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, r
     tx = make(lr=1e-2, weight_decay=0.1, min_size=50)
     results, blocks = [], []
     run = _native._run
-    monkeypatch.setattr(_native, "_run", lambda args: blocks.extend((a.rows, a.block) for a in args) or run(args))
+    monkeypatch.setattr(
+        _native,
+        "_run",
+        lambda shared, fields: blocks.extend(part[:2] for part in leaf_parts(fields)) or run(shared, fields),
+    )
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for native in (True, False):
             with pytest.MonkeyPatch.context() as patch:
                 if not native:  # the eager kernels: the rows chunk by chunk, the ragged block by the codec
-                    patch.setattr(_native, "usable", lambda *args: False)
+                    patch.setattr(_native, "available", lambda: False)
                 p, s = params, tx.init(params)
                 for i, g in enumerate(grads):
                     p, s = fadam.step(tx, p, g, s, donate=i == 2)
@@ -189,7 +201,11 @@ def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
 def test_step_runs_the_native_kernel_for_float32_and_bfloat16_cpu_params(unfused, monkeypatch):
     calls = []
     run = _native._run
-    monkeypatch.setattr(_native, "_run", lambda args: calls.extend(_DTYPES[a.param_dtype] for a in args) or run(args))
+    monkeypatch.setattr(
+        _native,
+        "_run",
+        lambda shared, fields: calls.extend(part[2] for part in leaf_parts(fields)) or run(shared, fields),
+    )
     # w: 10 whole blocks; b: 2 and a ragged block, which the kernel takes as a one-row call of its own
     params = {"w": torch.randn(40, 64), "b": torch.randn(700).to(torch.bfloat16), "h": torch.randn(700).half()}
     tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
@@ -299,7 +315,7 @@ def test_the_build_finds_the_ninja_package_off_path(monkeypatch):
 def test_under_torch_compile_the_step_traces_the_torch_kernels(monkeypatch):
     calls = []
     run = _native._run
-    monkeypatch.setattr(_native, "_run", lambda args: calls.append(1) or run(args))
+    monkeypatch.setattr(_native, "_run", lambda shared, fields: calls.append(1) or run(shared, fields))
     params, grads = {"w": torch.randn(64, 256)}, {"w": torch.randn(64, 256)}
     tx = fadam.adamw8bit(lr=1e-2, min_size=100)
 
@@ -371,7 +387,7 @@ def test_a_param_that_two_leaves_share_is_updated_by_one_after_the_other(monkeyp
         for native in (True, False):
             with pytest.MonkeyPatch.context() as patch:
                 if not native:
-                    patch.setattr(_native, "usable", lambda *args: False)
+                    patch.setattr(_native, "available", lambda: False)
                 w = shared.clone()
                 params = {"a": w, "b": w}
                 state = tx.init(params)

@@ -487,17 +487,45 @@ void dispatch(const Args& a, int64_t begin, int64_t end, Scratch& scratch) {
   run<P>(a, kernels, begin, end, scratch);
 }
 
+// A leaf's fields as fadam/quantization/_native.py lays them out (_LEAF_FIELDS): the addresses of p, g, out (0 for
+// none), m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then rows, block and param_dtype.
+constexpr int64_t kLeafFields = 12;
+
+template <typename T>
+T* address(int64_t field) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(field));
+}
+
+// `shared` (the step's hyperparameters and scalars) with one leaf's fields.
+Args leaf_args(const Args& shared, const int64_t* f) {
+  Args a = shared;
+  a.p = address<void>(f[0]);
+  a.g = address<const void>(f[1]);
+  a.out = address<void>(f[2]);
+  a.m_codes = address<uint8_t>(f[3]);
+  a.m_absmax = address<float>(f[4]);
+  a.v_codes = address<uint8_t>(f[5]);
+  a.v_absmax = address<float>(f[6]);
+  a.m_map = address<const float>(f[7]);
+  a.v_map = address<const float>(f[8]);
+  a.rows = f[9];
+  a.block = f[10];
+  a.param_dtype = static_cast<int32_t>(f[11]);
+  return a;
+}
+
 }  // namespace
 
-// Runs the rows of `count` Args: a step's leaves, and their ragged last blocks as one-row Args of that length. The
-// threads split all the rows in one parallel region, each running its share Args by Args (a region per leaf cost
-// more than a small leaf's work, which then ran on one thread). Returns 0, or i + 1 for the first Args the kernel
-// cannot run, having run none.
-extern "C" int64_t fadam_quantized_adam_leaves(const Args* args, int64_t count) {
+// Runs the rows of `count` leaves (kLeafFields each in `fields`): a step's leaves, and their ragged last blocks as
+// one-row leaves of that length. The threads split all the rows in one parallel region, each running its share leaf
+// by leaf (a region per leaf cost more than a small leaf's work, which then ran on one thread). Returns 0, or i + 1
+// for the first leaf the kernel cannot run, having run none.
+extern "C" int64_t fadam_quantized_adam_leaves(const Args* shared, const int64_t* fields, int64_t count) {
+  std::vector<Args> args(count);
   std::vector<int64_t> first_row(count + 1, 0);
   int64_t elements = 0, rows = 0, block = 0;  // the largest group and row: each thread's scratch
   for (int64_t i = 0; i < count; ++i) {
-    const Args& a = args[i];
+    const Args& a = args[i] = leaf_args(*shared, fields + i * kLeafFields);
     const bool bits_ok = a.bits == 8 || (a.bits == 4 && a.block % 2 == 0);
     if (!bits_ok || (a.param_dtype != 0 && a.param_dtype != 1) || a.block < 1 || a.rows < 0) return i + 1;
     first_row[i + 1] = first_row[i] + a.rows;
@@ -509,12 +537,12 @@ extern "C" int64_t fadam_quantized_adam_leaves(const Args* args, int64_t count) 
   at::parallel_for(0, first_row[count], group_rows(256), [&](int64_t begin, int64_t end) {
     const MklOnThisThread mkl_on_this_thread;
     Scratch scratch(elements, rows, block);
-    // the Args whose rows overlap [begin, end), each with its part of them
+    // the leaves whose rows overlap [begin, end), each with its part of them
     for (int64_t i = std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1;
          i < count && first_row[i] < end; ++i) {
       const int64_t from = std::max(begin, first_row[i]) - first_row[i];
       const int64_t to = std::min(end, first_row[i + 1]) - first_row[i];
-      if (from >= to) continue;  // an Args with no rows
+      if (from >= to) continue;  // a leaf with no rows
       if (args[i].param_dtype == 0) {
         dispatch<Float32>(args[i], from, to, scratch);
       } else {

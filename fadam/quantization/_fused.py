@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import FusedStep, ScalarOrSchedule
-from fadam._dispatch import plain_on_fused_devices
+from fadam._dispatch import plain_on_device
 from fadam._fused import _advance, _learning_rate
 from fadam._numerics import bias_correction, safe_increment
 from fadam._tree import PyTree, check_leaves
@@ -49,7 +49,7 @@ from fadam.quantization._codec import (
     row_absmax,
     unpack_codes,
 )
-from fadam.quantization._maps import Tables, map_values, tables_on
+from fadam.quantization._maps import MAP_IDS, Tables, map_values, tables_on
 from fadam.quantization._wrapper import QuantizedState
 from fadam.transforms._adam import ScaleByAdamState
 
@@ -227,12 +227,59 @@ def _with_fallback(compiled: Callable[..., Any], eager: Callable[..., Any]) -> C
     return run
 
 
-def _with_map(q: QuantizedArray, map_id: int) -> QuantizedArray:
-    """``q`` with ``map_id``, the map its codes are about to be written with. A CPU map_id that already holds it is
-    kept (``q``'s tensors are the step's own: donated, or copies), as the kernel's leaves usually have it."""
-    if q.map_id.is_cpu and q.map_id.item() == map_id:
+def _with_map(q: QuantizedArray, stored: int | None, map_id: int) -> QuantizedArray:
+    """``q`` with ``map_id``, the map its codes are about to be written with. A map id read on the CPU (``stored``,
+    the C++ kernel's leaves; ``None`` where it was not read) that already is ``map_id`` is kept: ``q``'s tensors are
+    the step's own, donated or copies."""
+    if stored == map_id:
         return q
     return q._replace(map_id=torch.full_like(q.map_id, map_id))  # on an accelerator, a kernel: no host sync
+
+
+_FULL, _NATIVE, _ROWS = range(3)  # a leaf's route: full-precision state; the C++ kernel; the compiled kernels
+
+
+def _plan(
+    p: torch.Tensor, g: torch.Tensor, m: Any, v: Any, bits: int, block_size: int, grad_enabled: bool
+) -> tuple[int, int | None, int | None] | None:
+    """How the fused step runs a leaf: ``(route, m_id, v_id)``, with the ids of the maps its moments are stored with
+    where the C++ kernel takes it (read here, on the CPU), or ``None`` where the chain must (it raises the error that
+    names a bad leaf). All that the kernels rely on is checked here, before any leaf is written: plain tensors on the
+    param's device, a floating param and its gradient in one dtype, and for quantized moments uint8 codes and float32
+    absmax, contiguous, of exactly the param's sizes (the C++ kernel writes through their addresses) and 0-d uint8
+    map ids (the C++ kernel's in range)."""
+    if not isinstance(p, torch.Tensor) or g is None or p.dtype != g.dtype or not p.is_floating_point():
+        return None  # a skipped param (no gradient) or a complex one: the chain
+    if not isinstance(m, QuantizedArray):
+        if isinstance(v, QuantizedArray) or not plain_on_device((p, g, m, v), p, grad_enabled):
+            return None
+        return _FULL, None, None
+    if not isinstance(v, QuantizedArray):
+        return None
+    m_codes, m_absmax, m_map = m
+    v_codes, v_absmax, v_map = v
+    if not plain_on_device((p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map), p, grad_enabled):
+        return None
+    codes, blocks = expected_sizes(p.numel(), bits, block_size)
+    if not (
+        m_codes.shape == v_codes.shape == (codes,)
+        and m_absmax.shape == v_absmax.shape == (blocks,)
+        and m_codes.dtype == v_codes.dtype == m_map.dtype == v_map.dtype == torch.uint8
+        and m_absmax.dtype == v_absmax.dtype == torch.float32
+        and m_map.dim() == v_map.dim() == 0
+        and p.is_contiguous()
+        and m_codes.is_contiguous()
+        and v_codes.is_contiguous()
+        and m_absmax.is_contiguous()
+        and v_absmax.is_contiguous()
+    ):
+        return None
+    if not p.is_cpu:
+        return _ROWS, None, None  # reading the map ids would sync with the device
+    m_id, v_id = m_map.item(), v_map.item()
+    if not (0 <= m_id < len(MAP_IDS) and 0 <= v_id < len(MAP_IDS)):
+        return None
+    return (_NATIVE if p.dtype in native.PARAM_DTYPES and native.available() else _ROWS), m_id, v_id
 
 
 def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,8 +314,8 @@ def fused_quantized_adam_step(
 
     def _run(params: PyTree, grads: PyTree, state: PyTree, mode: str) -> tuple[PyTree, PyTree] | None:
         # mode: "donate" writes params and state in place; "copy" writes copies; "update" returns the updates
-        if isinstance(weight_decay, torch.Tensor):
-            return None
+        if isinstance(weight_decay, torch.Tensor) or torch.compiler.is_compiling():
+            return None  # while tracing, the chain: its torch ops trace, a ctypes call would break the graph
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         wrapper_state = state[adam_index] if isinstance(state, tuple) and len(state) > adam_index else None
         if not isinstance(wrapper_state, QuantizedState):
@@ -276,22 +323,13 @@ def fused_quantized_adam_step(
         adam_state = wrapper_state.inner_state
         mus = spec.flatten_up_to(adam_state.mu)
         nus = spec.flatten_up_to(adam_state.nu)
-        tensors = [*param_leaves, *grad_leaves]
-        for m, v, p in zip(mus, nus, param_leaves):
-            if isinstance(m, QuantizedArray) != isinstance(v, QuantizedArray):
-                return None
-            if isinstance(m, QuantizedArray):
-                tensors += [*m, *v]
-                if not p.is_contiguous() or p.is_complex():
-                    return None
-                if (m.codes.shape[-1], m.absmax.shape[-1]) != expected_sizes(p.numel(), bits, block_size):
-                    return None  # the chain raises the error that names the leaf
-            else:
-                tensors += [m, v]
-        if not plain_on_fused_devices(tensors) or any(
-            p.dtype != g.dtype or not p.is_floating_point() for p, g in zip(param_leaves, grad_leaves)
-        ):
-            return None
+        grad_enabled = torch.is_grad_enabled()
+        plans = []
+        for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
+            plan = _plan(p, g, m, v, bits, block_size, grad_enabled)
+            if plan is None:
+                return None  # the chain serves these inputs, or raises the error that names the leaf
+            plans.append(plan)
         lr_value = _learning_rate(lr, state[adam_index + 1])
         if lr_value is None or (isinstance(lr_value, torch.Tensor) and lr_value.device.type != "cpu"):
             return None  # reading an accelerator lr here would sync; the chain handles it
@@ -312,8 +350,8 @@ def fused_quantized_adam_step(
         cpu_scalars = on_device.get(torch.device("cpu"))
         leaves = native.Leaves(cpu_scalars, config, bits, block_size) if cpu_scalars else None
         with torch.no_grad():
-            for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
-                if not isinstance(m, QuantizedArray):
+            for p, g, m, v, (route, m_id, v_id) in zip(param_leaves, grad_leaves, mus, nus, plans):
+                if route == _FULL:
                     m_new, v_new = _moments(p, g, m, v, config)
                     u = _update(p, m_new, v_new, on_device[p.device], config)
                     p_new = u if mode == "update" else p + u
@@ -322,7 +360,9 @@ def fused_quantized_adam_step(
                             target.copy_(value)
                         p_new, m_new, v_new = p, m, v
                 else:
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, on_device[p.device], mode, leaves)
+                    native_leaves = leaves if route == _NATIVE else None
+                    scalars = on_device[p.device]
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, scalars, mode, native_leaves)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
@@ -332,8 +372,9 @@ def fused_quantized_adam_step(
         new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
         return spec.unflatten(new_params), new_state
 
-    def _quantized_leaf(p, g, m, v, scalars, mode, leaves):
-        # the C++ kernel's leaves are only recorded in `leaves` here; the caller runs them all at once
+    def _quantized_leaf(p, g, m, v, m_id, v_id, scalars, mode, leaves):
+        # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs
+        # them all at once
         device = p.device
         signed, unsigned = map_pair(bits)
         if mode != "donate":
@@ -345,8 +386,8 @@ def fused_quantized_adam_step(
         width = block_size if bits == 8 else block_size // 2
         g = g.contiguous()
         ragged_done = False  # whether the kernel takes the ragged last block too
-        if leaves is not None and native.usable(p, g, out, m, v):
-            ragged_done = leaves.add(p, g, out, m, v)
+        if leaves is not None:
+            ragged_done = leaves.add(p, g, out, m, v, m_id, v_id)
         elif rows:
             p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g, rows, block_size)[0]
             m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
@@ -356,7 +397,7 @@ def fused_quantized_adam_step(
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
             _kernel()(views, scalars, tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
-        new_m, new_v = _with_map(m, signed), _with_map(v, unsigned)  # their codes and absmax are m's and v's
+        new_m, new_v = _with_map(m, m_id, signed), _with_map(v, v_id, unsigned)  # the codes and absmax of m and v
         if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
             p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
             m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))

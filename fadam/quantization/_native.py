@@ -10,32 +10,33 @@ and bfloat16 params on the CPU take it; everything else keeps the compiled kerne
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which torch.compile's
 CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers: about 5 s on two
 cores. Its instruction set follows ATen's (``torch.backends.cpu.get_cpu_capability``), so that its multiply-adds are
-fused exactly where ATen's are. If the build fails, ``usable`` warns once and returns ``False``, and the compiled
+fused exactly where ATen's are. If the build fails, ``available`` warns once and returns ``False``, and the compiled
 kernels serve.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import functools
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from fadam.quantization._codec import QuantizedArray, map_pair
-from fadam.quantization._maps import _GRIDS, MAP_IDS, Tables, encode_tables, tables_on
+from fadam.quantization._maps import _GRIDS, Tables, encode_tables, tables_on
 
 if TYPE_CHECKING:  # _fused imports this module
     from fadam.quantization._fused import Rows
 
 _SOURCE = Path(__file__).with_name("_adam_rows.cpp")
-_PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # param_dtype in the source
+PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # param_dtype in the source
 # Compiler flags per ATen CPU capability: the vector width and, above all, whether a multiply-add is fused.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mprefer-vector-width=512"],
@@ -110,7 +111,7 @@ def _library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
-    library.fadam_quantized_adam_leaves.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
+    library.fadam_quantized_adam_leaves.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_int64]
     library.fadam_quantized_adam_leaves.restype = ctypes.c_int64
     library.fadam_quantized_encode.argtypes = [
         ctypes.c_void_p,
@@ -200,27 +201,22 @@ def _shared_args(scalars: tuple[torch.Tensor, ...], config: tuple, bits: int) ->
     )
 
 
-def _leaf_args(shared: _Args, pointers: Sequence[int | None], rows: int, block: int, param_dtype: int) -> _Args:
-    """A copy of a step's shared ``_Args`` for ``rows`` rows of ``block`` elements at ``pointers``: the addresses of
-    p, g, out (or None), m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, in that order."""
-    args = _Args.from_buffer_copy(shared)
-    args.p, args.g, args.out, args.m_codes, args.m_absmax, args.v_codes, args.v_absmax, args.m_map, args.v_map = (
-        pointers
-    )
-    args.rows, args.block, args.param_dtype = rows, block, param_dtype
-    return args
+# A leaf's fields, as the library reads them (kLeafFields in the source): the addresses of p, g, out (0 for none),
+# m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then its rows, their length and param_dtype.
+_LEAF_FIELDS = 12
 
 
-def _run(args: list[_Args]) -> None:
-    if not args:
-        return
-    failed = _library().fadam_quantized_adam_leaves((_Args * len(args))(*args), len(args))
+def _run(shared: _Args, fields: list[int]) -> None:
+    """Runs the leaves whose fields ``fields`` holds one after the other, each with the ``shared`` hyperparameters."""
+    count = len(fields) // _LEAF_FIELDS
+    table = array.array("q", fields)
+    failed = _library().fadam_quantized_adam_leaves(ctypes.byref(shared), table.buffer_info()[0], count)
     if failed:
-        bad = args[failed - 1]
-        dtype = next((d for d, code in _PARAM_DTYPES.items() if code == bad.param_dtype), "another dtype")
+        rows, block, param_dtype = fields[failed * _LEAF_FIELDS - 3 : failed * _LEAF_FIELDS]
+        dtype = next((d for d, code in PARAM_DTYPES.items() if code == param_dtype), "another dtype")
         raise ValueError(
             f"the quantized Adam CPU kernel takes 8 or 4 bits (an even block) and float32 or bfloat16 params, got "
-            f"{bad.bits} bits, block {bad.block}, {dtype}"
+            f"{shared.bits} bits, {rows} rows of {block}, {dtype}"
         )
 
 
@@ -236,85 +232,94 @@ def step_rows(
     through ``Leaves``; this row-level form is how tests compare the kernel with the eager kernels on crafted rows.
     ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_encoder``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
-    tensors = (p, g, out, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map)  # _leaf_args' order
-    pointers = [None if t is None else t.data_ptr() for t in tensors]
-    shared = _shared_args(scalars, config, bits)
-    _run([_leaf_args(shared, pointers, p.shape[0], p.shape[1], _PARAM_DTYPES.get(p.dtype, -1))])
+    tensors = (p, g, out, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map)  # _LEAF_FIELDS' order
+    fields = [0 if t is None else t.data_ptr() for t in tensors]
+    _run(_shared_args(scalars, config, bits), [*fields, p.shape[0], p.shape[1], PARAM_DTYPES.get(p.dtype, -1)])
 
 
 class Leaves:
     """One step's quantized leaves for the kernel, run together by ``run``: one call into the library for all of
     them, where a call per leaf cost more Python than a 4096-element leaf's work. ``add`` records a leaf's pointers
-    (its caller checks ``usable`` first); nothing runs until ``run``, except that a leaf writing what an earlier one
+    (its caller checks the leaf first); nothing runs until ``run``, except that a leaf writing what an earlier one
     writes (tied weights, donated) first runs those before it, so that it reads their results as it would in
     order: in one call, the threads could split the two leaves between them."""
 
     def __init__(self, scalars: tuple[torch.Tensor, ...], config: tuple, bits: int, block_size: int) -> None:
-        self._maps = tables_on("cpu")[0]  # (maps, 256) float32: a map's values at map_id * 1024 bytes; builds _GRIDS
+        maps = tables_on("cpu")[0]  # (maps, 256) float32, alive in tables_on's cache; builds _GRIDS
+        self._maps_at, self._map_bytes = maps.data_ptr(), maps.stride(0) * maps.element_size()
         self._shared = _shared_args(scalars, config, bits)
+        self._eager_bf16_tail = bool(self._shared.coupled_decay)  # see add
         self._bits, self._block = bits, block_size
-        self._args: list[_Args] = []
-        self._tensors: list[torch.Tensor] = []  # alive until run: a caller's contiguous copy of a gradient, say
+        self._fields: list[int] = []  # _LEAF_FIELDS for each recorded part of a leaf
+        self._gradients: list[torch.Tensor] = []  # alive until run: a caller's contiguous copy of a gradient, say
         self._written: set[int] = set()  # data pointers of the tensors the recorded leaves write
 
     def add(
-        self, p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        out: torch.Tensor | None,
+        m: QuantizedArray,
+        v: QuantizedArray,
+        m_id: int,
+        v_id: int,
     ) -> bool:
         """Records the leaf's whole blocks and, where the kernel can take it, its ragged last block (any length at 8
-        bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is left to the caller.
+        bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is left to the caller. The
+        caller has checked the leaf (``_fused._plan``: float32 or bfloat16 params and gradients, uint8 codes and
+        float32 absmax of the param's sizes, all contiguous on the CPU), read its maps' ids, ``m_id`` and ``v_id``, and
+        holds p, out, m and v until ``run``.
 
         Not for bfloat16 params with Adam's L2 decay either: the chain's ``torch.add(g, p, alpha)`` takes ATen's
         scalar loop for a leaf's last ``numel % 64`` elements (its vector loop steps two 32-lane vectors), which rounds
         ``alpha * p`` to bfloat16 before adding, where the vector loop, which the kernel follows, rounds once; blocks
         being multiples of 64, the eager ragged block ends in the same scalar loop."""
-        n, block = p.numel(), self._block
-        rows, tail = divmod(n, block)
-        row_bytes = self._maps.stride(0) * 4
-        maps = self._maps.data_ptr() + m.map_id.item() * row_bytes, self._maps.data_ptr() + v.map_id.item() * row_bytes
-        width, size = (block if self._bits == 8 else block // 2), p.element_size()
-        parts = [(0, rows, block)] if rows else []
-        scalar_tail = p.dtype == torch.bfloat16 and self._shared.coupled_decay
-        takes_tail = tail > 0 and (self._bits == 8 or tail % 2 == 0) and not scalar_tail
-        if takes_tail:
-            parts.append((rows, 1, tail))
-        p_at, g_at, out_at = p.data_ptr(), g.data_ptr(), None if out is None else out.data_ptr()
-        m_codes, m_absmax, v_codes, v_absmax = (t.data_ptr() for t in (m.codes, m.absmax, v.codes, v.absmax))
-        written = {p_at if out_at is None else out_at, m_codes, m_absmax, v_codes, v_absmax}
-        if not written.isdisjoint(self._written):
+        block = self._block
+        rows, tail = divmod(p.numel(), block)
+        param_dtype = PARAM_DTYPES[p.dtype]
+        p_at, g_at, out_at = p.data_ptr(), g.data_ptr(), 0 if out is None else out.data_ptr()
+        m_codes, m_absmax = m.codes.data_ptr(), m.absmax.data_ptr()
+        v_codes, v_absmax = v.codes.data_ptr(), v.absmax.data_ptr()
+        written = (out_at or p_at, m_codes, m_absmax, v_codes, v_absmax)
+        if not self._written.isdisjoint(written):
             self.run()
-        self._written |= written
-        self._tensors += [p, g, m.codes, m.absmax, v.codes, v.absmax, *([] if out is None else [out])]
-        for first, count, length in parts:
-            skip, codes_skip, absmax_skip = first * block * size, first * width, first * 4  # bytes before this part
-            pointers = (
-                p_at + skip, g_at + skip, None if out_at is None else out_at + skip, m_codes + codes_skip,
-                m_absmax + absmax_skip, v_codes + codes_skip, v_absmax + absmax_skip, *maps,
+        self._written.update(written)
+        self._gradients.append(g)
+        m_map, v_map = self._maps_at + m_id * self._map_bytes, self._maps_at + v_id * self._map_bytes
+        if rows:
+            self._fields += (
+                p_at,
+                g_at,
+                out_at,
+                m_codes,
+                m_absmax,
+                v_codes,
+                v_absmax,
+                m_map,
+                v_map,
+                rows,
+                block,
+                param_dtype,
+            )
+        takes_tail = (
+            tail > 0 and (self._bits == 8 or tail % 2 == 0) and not (param_dtype == 1 and self._eager_bf16_tail)
+        )
+        if takes_tail:  # one row of `tail` elements after the others: offsets in bytes
+            skip, codes_skip, absmax_skip = rows * block * p.element_size(), rows * (block * self._bits // 8), rows * 4
+            self._fields += (
+                p_at + skip, g_at + skip, out_at and out_at + skip, m_codes + codes_skip, m_absmax + absmax_skip,
+                v_codes + codes_skip, v_absmax + absmax_skip, m_map, v_map, 1, tail, param_dtype,
             )  # fmt: skip
-            self._args.append(_leaf_args(self._shared, pointers, count, length, _PARAM_DTYPES[p.dtype]))
         return tail == 0 or takes_tail
 
     def run(self) -> None:
-        if self._args:
-            _run(self._args)
-        self._args.clear()
-        self._tensors.clear()
+        if self._fields:
+            _run(self._shared, self._fields)
+        self._fields.clear()
+        self._gradients.clear()
         self._written.clear()
 
 
-def usable(p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: QuantizedArray, v: QuantizedArray) -> bool:
-    """Whether the kernel can run this leaf: float32 or bfloat16 params (and gradients, updates), uint8 codes and
-    float32 absmax on the CPU, all contiguous, stored maps the kernel knows, a library that built, and no
-    torch.compile tracing (a ctypes call would break its graph; the torch kernels trace)."""
-    if torch.compiler.is_compiling() or p.dtype not in _PARAM_DTYPES:
-        return False
-    params = (p, g) if out is None else (p, g, out)
-    tensors = (*params, m.codes, m.absmax, m.map_id, v.codes, v.absmax, v.map_id)
-    return (
-        all(t.dtype == p.dtype for t in params)
-        and m.codes.dtype == v.codes.dtype == torch.uint8
-        and m.absmax.dtype == v.absmax.dtype == torch.float32
-        and all(t.is_cpu and t.is_contiguous() for t in tensors)
-        and 0 <= m.map_id.item() < len(MAP_IDS)
-        and 0 <= v.map_id.item() < len(MAP_IDS)
-        and _library() is not None
-    )
+def available() -> bool:
+    """Whether the kernel is there to run: built (on the first ask; ``False`` with a warning where it cannot be)."""
+    return _library() is not None
