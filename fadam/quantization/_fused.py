@@ -305,6 +305,7 @@ def fused_quantized_adam_step(
     ``apply_updates(params, updates)`` is the fused step's params bit for bit. Either returns ``None`` when the inputs
     need the chain."""
     config = (b1, b2, eps, weight_decay, decoupled, maximize)
+    signed, unsigned = map_pair(bits)  # the maps the step writes m and v with
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
         return _run(params, grads, state, "donate" if donate else "copy")
@@ -339,15 +340,16 @@ def fused_quantized_adam_step(
         scalars64 = torch.stack(
             [torch.as_tensor(x, dtype=torch.float64).reshape(()) for x in (lr_value, bc1, bc2.sqrt(), factor)]
         )
+        cpu = torch.device("cpu")
+        devices = {cpu if route == _NATIVE else p.device for p, (route, _, _) in zip(param_leaves, plans)}
         on_device = {}
-        for p in param_leaves:
-            if p.device not in on_device:  # one copy per device and step, asynchronous on accelerators
-                cpu = scalars64.to(torch.float32)
-                moved = cpu if p.device.type == "cpu" else cpu.pin_memory().to(p.device, non_blocking=True)
-                # separate 0-d tensors: a (4,) tensor would share its size with a 4-row param and pin it
-                on_device[p.device] = tuple(moved.unbind())
+        for device in devices:  # one copy per device and step, asynchronous on accelerators
+            scalars32 = scalars64.to(torch.float32)
+            moved = scalars32 if device == cpu else scalars32.pin_memory().to(device, non_blocking=True)
+            # separate 0-d tensors: a (4,) tensor would share its size with a 4-row param and pin it
+            on_device[device] = tuple(moved.unbind())
         new_params, new_mus, new_nus = [], [], []
-        cpu_scalars = on_device.get(torch.device("cpu"))
+        cpu_scalars = on_device.get(cpu)
         leaves = native.Leaves(cpu_scalars, config, bits, block_size) if cpu_scalars else None
         with torch.no_grad():
             for p, g, m, v, (route, m_id, v_id) in zip(param_leaves, grad_leaves, mus, nus, plans):
@@ -359,10 +361,10 @@ def fused_quantized_adam_step(
                         for target, value in ((p, p_new), (m, m_new), (v, v_new)):
                             target.copy_(value)
                         p_new, m_new, v_new = p, m, v
+                elif route == _NATIVE:
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, cpu_scalars, mode, leaves)
                 else:
-                    native_leaves = leaves if route == _NATIVE else None
-                    scalars = on_device[p.device]
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, scalars, mode, native_leaves)
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, on_device[p.device], mode, None)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
@@ -375,8 +377,6 @@ def fused_quantized_adam_step(
     def _quantized_leaf(p, g, m, v, m_id, v_id, scalars, mode, leaves):
         # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs
         # them all at once
-        device = p.device
-        signed, unsigned = map_pair(bits)
         if mode != "donate":
             m, v = QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
         if mode == "copy":
@@ -391,7 +391,7 @@ def fused_quantized_adam_step(
         elif rows:
             p_rows, g_rows = _split_rows(p, rows, block_size)[0], _split_rows(g, rows, block_size)[0]
             m_rows, v_rows = _split_rows(m.codes, rows, width)[0], _split_rows(v.codes, rows, width)[0]
-            tables = tables_on(device)
+            tables = tables_on(p.device)
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             views = Rows(p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
