@@ -247,7 +247,7 @@ def _plan(
     names a bad leaf). All that the kernels rely on is checked here, before any leaf is written: plain tensors on the
     param's device, a floating param and its gradient in one dtype, and for quantized moments uint8 codes and float32
     absmax, contiguous, of exactly the param's sizes (the C++ kernel writes through their addresses) and 0-d uint8
-    map ids (the C++ kernel's in range)."""
+    map ids (on the CPU, ids of known maps)."""
     if not isinstance(p, torch.Tensor) or g is None or p.dtype != g.dtype or not p.is_floating_point():
         return None  # a skipped param (no gradient) or a complex one: the chain
     if not isinstance(m, QuantizedArray):

@@ -207,7 +207,8 @@ _LEAF_FIELDS = 12
 
 
 def _run(shared: _Args, fields: list[int]) -> None:
-    """Runs the leaves whose fields ``fields`` holds one after the other, each with the ``shared`` hyperparameters."""
+    """Runs in one call the leaves whose fields ``fields`` holds (``_LEAF_FIELDS`` each), with the hyperparameters
+    and scalars of ``shared``."""
     count = len(fields) // _LEAF_FIELDS
     table = array.array("q", fields)
     failed = _library().fadam_quantized_adam_leaves(ctypes.byref(shared), table.buffer_info()[0], count)
