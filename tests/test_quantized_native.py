@@ -22,11 +22,11 @@ from fadam.quantization._maps import encode, map_values, tables_on
 _DTYPES = {code: dtype for dtype, code in _native.PARAM_DTYPES.items()}
 
 
-def leaf_parts(fields: list[int]) -> list[tuple[int, int, torch.dtype]]:
-    """(rows, row length, param dtype) of each leaf in the fields of a ``_native._run`` call."""
+def leaf_parts(fields: list[int]) -> list[tuple[int, int, int, torch.dtype]]:
+    """(rows, row length, last row's length, param dtype) of each leaf in the fields of a ``_native._run`` call."""
     width = _native._LEAF_FIELDS
     return [
-        (*fields[i + width - 3 : i + width - 1], _DTYPES[fields[i + width - 1]]) for i in range(0, len(fields), width)
+        (*fields[i + width - 4 : i + width - 1], _DTYPES[fields[i + width - 1]]) for i in range(0, len(fields), width)
     ]
 
 
@@ -171,7 +171,7 @@ def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, r
     monkeypatch.setattr(
         _native,
         "_run",
-        lambda shared, fields: blocks.extend(part[:2] for part in leaf_parts(fields)) or run(shared, fields),
+        lambda shared, fields: blocks.extend(part[:3] for part in leaf_parts(fields)) or run(shared, fields),
     )
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -189,7 +189,10 @@ def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, r
         torch.set_num_threads(previous_threads)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    assert ((1, n % (256 if "8bit" in make.__name__ else 128)) in blocks) == ragged_in_kernel
+    block = 256 if "8bit" in make.__name__ else 128
+    whole, tail = divmod(n, block)
+    expected = (whole + 1, block, tail) if ragged_in_kernel else (whole, block, block)  # the leaf "w"
+    assert expected in blocks
 
 
 def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
@@ -204,15 +207,16 @@ def test_step_runs_the_native_kernel_for_float32_and_bfloat16_cpu_params(unfused
     monkeypatch.setattr(
         _native,
         "_run",
-        lambda shared, fields: calls.extend(part[2] for part in leaf_parts(fields)) or run(shared, fields),
+        lambda shared, fields: calls.extend((part[3], *part[:3]) for part in leaf_parts(fields)) or run(shared, fields),
     )
-    # w: 10 whole blocks; b: 2 and a ragged block, which the kernel takes as a one-row call of its own
+    # w: 10 whole blocks; b: 2 and a ragged block, which the kernel takes as a third, shorter row
     params = {"w": torch.randn(40, 64), "b": torch.randn(700).to(torch.bfloat16), "h": torch.randn(700).half()}
     tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     new_p, _ = fadam.step(tx, params, grads, tx.init(params))
     updates, _ = chain.update(grads, chain.init(params), params)
-    assert sorted(map(str, calls)) == ["torch.bfloat16"] * 2 + ["torch.float32"]  # float16: the compiled kernels
+    # float16: the compiled kernels
+    assert sorted(calls, key=str) == [(torch.bfloat16, 3, 256, 700 - 512), (torch.float32, 10, 256, 256)]
     for k in params:
         assert torch.equal(new_p[k], fadam.apply_updates(params, updates)[k]), k
 

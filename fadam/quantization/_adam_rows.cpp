@@ -53,6 +53,7 @@ struct Args {
   Grid v_grid;
   int64_t rows;
   int64_t block;
+  int64_t last;  // the last row's length: block, or less for a leaf's ragged last block
   int32_t bits;
   int32_t param_dtype;  // 0: float32, 1: bfloat16
   int32_t maximize;
@@ -389,6 +390,12 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
   Storage* updates = static_cast<Storage*>(a.out);
   const int64_t block = a.block, code_width = a.bits == 8 ? block : block / 2;
   const int64_t rows_per_group = group_rows(block);
+  // a ragged last row: a's fields with its length as the block, which is what the row kernels read
+  const int64_t short_row = a.last == block ? -1 : a.rows - 1;
+  Args short_args = a;
+  short_args.block = a.last;
+  const auto row_args = [&](int64_t r) -> const Args& { return r == short_row ? short_args : a; };
+  const auto length = [&](int64_t r) { return r == short_row ? a.last : block; };
   Group* current = &scratch.current;
   Group* next = &scratch.next;
   int32_t* m_index = scratch.m_index.data();
@@ -398,11 +405,11 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     const uint8_t* m_in = a.m_codes + r * code_width;
     const uint8_t* v_in = a.v_codes + r * code_width;
     if (a.bits == 4) {
-      unpack_nibbles(m_in, m_index, code_width);
-      unpack_nibbles(v_in, v_index, code_width);
+      unpack_nibbles(m_in, m_index, length(r) / 2);
+      unpack_nibbles(v_in, v_index, length(r) / 2);
     } else {
-      widen(m_in, m_index, block);
-      widen(v_in, v_index, block);
+      widen(m_in, m_index, length(r));
+      widen(v_in, v_index, length(r));
     }
   };
   // row j of group `to`: its moments alone
@@ -410,7 +417,7 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     const int64_t r = to.first + j;
     load_codes(r);
     int32_t m_max, v_max;
-    to.finite[j] = kernels.moments(a, params + r * block, grads + r * block, m_index, v_index, a.m_absmax[r],
+    to.finite[j] = kernels.moments(row_args(r), params + r * block, grads + r * block, m_index, v_index, a.m_absmax[r],
                                    a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block, &m_max, &v_max);
     to.m_absmax[j] = from_bits(m_max);
     to.v_absmax[j] = from_bits(v_max);
@@ -429,9 +436,10 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     const float* m = from.m.data() + j * block;
     const float* v = from.v.data() + j * block;
     const float* root = from.root.data() + j * block;
-    // an absmax below about 3e-39 has no finite reciprocal: x * inverse leaves [-1, 1] there (finish_row clamps)
-    if (j < to.count && from.finite[j] && m_inverse < INFINITY && v_inverse < INFINITY) {
-      const int64_t s = to.first + j;
+    // an absmax below about 3e-39 has no finite reciprocal: x * inverse leaves [-1, 1] there (finish_row clamps);
+    // the ragged row is shorter than the row it would be fused with
+    const int64_t s = to.first + j;
+    if (j < to.count && from.finite[j] && m_inverse < INFINITY && v_inverse < INFINITY && s != short_row) {
       load_codes(s);
       int32_t m_max, v_max;
       to.finite[j] = kernels.fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
@@ -440,26 +448,31 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
       to.m_absmax[j] = from_bits(m_max);
       to.v_absmax[j] = from_bits(v_max);
     } else {
-      // a row with an inf or NaN moment, or the last group of a thread's rows of this Args
-      kernels.finish(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out);
+      // a row with an inf or NaN moment, the last group of a thread's rows of this leaf, or its ragged row
+      kernels.finish(row_args(r), params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out);
       if (j < to.count) moments(to, j);
     }
     if (a.bits == 4) {
-      pack_nibbles(m_out, a.m_codes + r * code_width, code_width);
-      pack_nibbles(v_out, a.v_codes + r * code_width, code_width);
+      pack_nibbles(m_out, a.m_codes + r * code_width, length(r) / 2);
+      pack_nibbles(v_out, a.v_codes + r * code_width, length(r) / 2);
     }
     a.m_absmax[r] = from.m_absmax[j];
     a.v_absmax[r] = from.v_absmax[j];
   };
+  // a group's square roots: its rows' moments lie at multiples of block, a ragged row only in the last one
+  const auto roots = [&](Group& group) {
+    const int64_t elements = (group.count - 1) * block + length(group.first + group.count - 1);
+    square_roots(group.v.data(), group.root.data(), elements);
+  };
   current->first = begin;
   current->count = std::min(rows_per_group, end - begin);
   for (int64_t j = 0; j < current->count; ++j) moments(*current, j);
-  square_roots(current->v.data(), current->root.data(), current->count * block);
+  roots(*current);
   while (current->count > 0) {
     next->first = current->first + current->count;
     next->count = std::min(rows_per_group, end - next->first);
     for (int64_t j = 0; j < current->count; ++j) finish(*current, j, *next);
-    if (next->count > 0) square_roots(next->v.data(), next->root.data(), next->count * block);
+    if (next->count > 0) roots(*next);
     std::swap(current, next);
   }
 }
@@ -488,8 +501,8 @@ void dispatch(const Args& a, int64_t begin, int64_t end, Scratch& scratch) {
 }
 
 // A leaf's fields as fadam/quantization/_native.py lays them out (_LEAF_FIELDS): the addresses of p, g, out (0 for
-// none), m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then rows, block and param_dtype.
-constexpr int64_t kLeafFields = 12;
+// none), m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then rows, block, last and param_dtype.
+constexpr int64_t kLeafFields = 13;
 
 template <typename T>
 T* address(int64_t field) {
@@ -510,24 +523,26 @@ Args leaf_args(const Args& shared, const int64_t* f) {
   a.v_map = address<const float>(f[8]);
   a.rows = f[9];
   a.block = f[10];
-  a.param_dtype = static_cast<int32_t>(f[11]);
+  a.last = f[11];
+  a.param_dtype = static_cast<int32_t>(f[12]);
   return a;
 }
 
 }  // namespace
 
-// Runs the rows of `count` leaves (kLeafFields each in `fields`): a step's leaves, and their ragged last blocks as
-// one-row leaves of that length. The threads split all the rows in one parallel region, each running its share leaf
-// by leaf (a region per leaf cost more than a small leaf's work, which then ran on one thread). Returns 0, or i + 1
-// for the first leaf the kernel cannot run, having run none.
+// Runs the rows of `count` leaves (kLeafFields each in `fields`), each leaf's ragged last block as its last, shorter
+// row. The threads split all the rows in one parallel region, each running its share leaf by leaf (a region per leaf
+// cost more than a small leaf's work, which then ran on one thread). Returns 0, or i + 1 for the first leaf the
+// kernel cannot run, having run none.
 extern "C" int64_t fadam_quantized_adam_leaves(const Args* shared, const int64_t* fields, int64_t count) {
   std::vector<Args> args(count);
   std::vector<int64_t> first_row(count + 1, 0);
   int64_t elements = 0, rows = 0, block = 0;  // the largest group and row: each thread's scratch
   for (int64_t i = 0; i < count; ++i) {
     const Args& a = args[i] = leaf_args(*shared, fields + i * kLeafFields);
-    const bool bits_ok = a.bits == 8 || (a.bits == 4 && a.block % 2 == 0);
-    if (!bits_ok || (a.param_dtype != 0 && a.param_dtype != 1) || a.block < 1 || a.rows < 0) return i + 1;
+    const bool bits_ok = a.bits == 8 || (a.bits == 4 && a.block % 2 == 0 && a.last % 2 == 0);
+    const bool sizes_ok = a.block >= 1 && a.rows >= 0 && a.last >= 1 && a.last <= a.block;
+    if (!bits_ok || !sizes_ok || (a.param_dtype != 0 && a.param_dtype != 1)) return i + 1;
     first_row[i + 1] = first_row[i] + a.rows;
     elements = std::max(elements, group_rows(a.block) * a.block);
     rows = std::max(rows, group_rows(a.block));

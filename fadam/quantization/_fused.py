@@ -5,7 +5,7 @@
 ``apply_updates`` gives the fused step's params bit for bit). Each quantized leaf is viewed as ``(blocks, block_size)``
 rows. float32 and bfloat16 params on the CPU go to a C++ kernel (``_native.py``: one pass per block, about 4x faster
 than inductor's code for the kernels below, equal to their eager form bit for bit), all of a step's leaves in one call,
-each leaf's ragged last block as a one-row call of its length (at 4 bits an even one only). Other rows are processed in
+each leaf's ragged last block as its last, shorter row (at 4 bits an even one only). Other rows are processed in
 chunks of about 1M elements by two ``torch.compile``-d kernels: the first decodes a chunk's codes and computes the new
 float32 moments and each row's new absmax; the second computes the new param and writes the new codes and absmax in
 place. The absmax needs the whole row before any code; as one kernel, inductor made that two loops over the rows that

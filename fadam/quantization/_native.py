@@ -60,6 +60,7 @@ class _Args(ctypes.Structure):
         ("v_grid", _Grid),
         ("rows", ctypes.c_int64),
         ("block", ctypes.c_int64),
+        ("last", ctypes.c_int64),
         *((name, ctypes.c_int32) for name in ("bits", "param_dtype", "maximize", "coupled_decay", "decoupled_decay")),
         *(
             (name, ctypes.c_float)
@@ -202,8 +203,9 @@ def _shared_args(scalars: tuple[torch.Tensor, ...], config: tuple, bits: int) ->
 
 
 # A leaf's fields, as the library reads them (kLeafFields in the source): the addresses of p, g, out (0 for none),
-# m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then its rows, their length and param_dtype.
-_LEAF_FIELDS = 12
+# m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then its rows, their length, the last one's (shorter for a
+# ragged last block) and param_dtype.
+_LEAF_FIELDS = 13
 
 
 def _run(shared: _Args, fields: list[int]) -> None:
@@ -213,11 +215,11 @@ def _run(shared: _Args, fields: list[int]) -> None:
     table = array.array("q", fields)
     failed = _library().fadam_quantized_adam_leaves(ctypes.byref(shared), table.buffer_info()[0], count)
     if failed:
-        rows, block, param_dtype = fields[failed * _LEAF_FIELDS - 3 : failed * _LEAF_FIELDS]
+        rows, block, last, param_dtype = fields[failed * _LEAF_FIELDS - 4 : failed * _LEAF_FIELDS]
         dtype = next((d for d, code in PARAM_DTYPES.items() if code == param_dtype), "another dtype")
         raise ValueError(
-            f"the quantized Adam CPU kernel takes 8 or 4 bits (an even block) and float32 or bfloat16 params, got "
-            f"{shared.bits} bits, {rows} rows of {block}, {dtype}"
+            f"the quantized Adam CPU kernel takes 8 or 4 bits (even rows) and float32 or bfloat16 params, got "
+            f"{shared.bits} bits, {rows} rows of {block} (the last of {last}), {dtype}"
         )
 
 
@@ -235,7 +237,8 @@ def step_rows(
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
     tensors = (p, g, out, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map)  # _LEAF_FIELDS' order
     fields = [0 if t is None else t.data_ptr() for t in tensors]
-    _run(_shared_args(scalars, config, bits), [*fields, p.shape[0], p.shape[1], PARAM_DTYPES.get(p.dtype, -1)])
+    rows, block = p.shape
+    _run(_shared_args(scalars, config, bits), [*fields, rows, block, block, PARAM_DTYPES.get(p.dtype, -1)])
 
 
 class Leaves:
@@ -287,29 +290,14 @@ class Leaves:
         self._written.update(written)
         self._gradients.append(g)
         m_map, v_map = self._maps_at + m_id * self._map_bytes, self._maps_at + v_id * self._map_bytes
-        if rows:
-            self._fields += (
-                p_at,
-                g_at,
-                out_at,
-                m_codes,
-                m_absmax,
-                v_codes,
-                v_absmax,
-                m_map,
-                v_map,
-                rows,
-                block,
-                param_dtype,
-            )
         takes_tail = (
             tail > 0 and (self._bits == 8 or tail % 2 == 0) and not (param_dtype == 1 and self._eager_bf16_tail)
         )
-        if takes_tail:  # one row of `tail` elements after the others: offsets in bytes
-            skip, codes_skip, absmax_skip = rows * block * p.element_size(), rows * (block * self._bits // 8), rows * 4
+        last = tail if takes_tail else block  # the ragged block as a last, shorter row
+        rows += takes_tail
+        if rows:
             self._fields += (
-                p_at + skip, g_at + skip, out_at and out_at + skip, m_codes + codes_skip, m_absmax + absmax_skip,
-                v_codes + codes_skip, v_absmax + absmax_skip, m_map, v_map, 1, tail, param_dtype,
+                p_at, g_at, out_at, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map, rows, block, last, param_dtype,
             )  # fmt: skip
         return tail == 0 or takes_tail
 
