@@ -254,7 +254,7 @@ class Leaves:
         self._shared = _shared_args(scalars, config, bits)
         self._eager_bf16_tail = bool(self._shared.coupled_decay)  # see add
         self._bits, self._block = bits, block_size
-        self._fields: list[int] = []  # _LEAF_FIELDS for each recorded part of a leaf
+        self._fields: list[int] = []  # _LEAF_FIELDS for each recorded leaf
         self._gradients: list[torch.Tensor] = []  # alive until run: a caller's contiguous copy of a gradient, say
         self._written: set[int] = set()  # data pointers of the tensors the recorded leaves write
 
@@ -268,11 +268,11 @@ class Leaves:
         m_id: int,
         v_id: int,
     ) -> bool:
-        """Records the leaf's whole blocks and, where the kernel can take it, its ragged last block (any length at 8
-        bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is left to the caller. The
-        caller has checked the leaf (``_fused._plan``: float32 or bfloat16 params and gradients, uint8 codes and
-        float32 absmax of the param's sizes, all contiguous on the CPU), read its maps' ids, ``m_id`` and ``v_id``, and
-        holds p, out, m and v until ``run``.
+        """Records the leaf's whole blocks and, where the kernel can take it, its ragged last block as a last, shorter
+        row (any length at 8 bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is
+        left to the caller. The caller has checked the leaf (``_fused._plan``: float32 or bfloat16 params and
+        gradients, uint8 codes and float32 absmax of the param's sizes, all contiguous on the CPU), read its maps' ids,
+        ``m_id`` and ``v_id``, and holds p, out, m and v until ``run``.
 
         Not for bfloat16 params with Adam's L2 decay either: the chain's ``torch.add(g, p, alpha)`` takes ATen's
         scalar loop for a leaf's last ``numel % 64`` elements (its vector loop steps two 32-lane vectors), which rounds
