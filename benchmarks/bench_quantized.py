@@ -190,7 +190,28 @@ def many_tensors_rows(n: int, reps: int) -> list[str]:
         rows.append(f"the fused steps on 200 tensors of {label}, interleaved ({reps} reps; as above):")
         for name, ms in medians.items():
             rows.append(f"  {name}: {ms:.1f} ms, {ms / fp32:.2f}x | {ms / fused:.2f}x")
+        step, kernel = _kernel_share(runners["fadam adamw8bit, fused step (C++ kernel)"], reps)
+        rows.append(f"  of the 8-bit step's {step:.1f} ms, the C++ kernel's call: {kernel:.1f} ms (the rest is Python)")
     return rows
+
+
+def _kernel_share(runner: Callable[[int], None], reps: int) -> tuple[float, float]:
+    """Median ms of a step and of the C++ kernel's call inside it."""
+    calls: list[float] = []
+    run = _native._run
+
+    def timed(*args) -> None:
+        start = time.perf_counter()
+        run(*args)
+        calls.append(time.perf_counter() - start)
+
+    steps = []
+    with mock.patch.object(_native, "_run", timed):
+        for i in range(reps):
+            start = time.perf_counter()
+            runner(i)
+            steps.append(time.perf_counter() - start)
+    return median_ms(steps), median_ms(calls)
 
 
 def speed_table(quick: bool, reps: int) -> list[str]:
