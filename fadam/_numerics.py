@@ -30,10 +30,28 @@ def safe_increment(count: torch.Tensor) -> torch.Tensor:
 
 def bias_correction(decay: float | torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``1 - decay ** count`` in float64, matching torch.optim, which computes it with Python floats (doubles)."""
+    number = bias_correction_number(decay, count)
+    if number is not None:
+        return torch.tensor(number, dtype=torch.float64)  # one op where the tensor formula takes three
     exponent = count.to(torch.float64)
     if isinstance(decay, torch.Tensor):
         return 1 - decay.to(torch.float64) ** exponent
     return 1 - torch.pow(decay, exponent)
+
+
+def bias_correction_number(decay: float | torch.Tensor, count: torch.Tensor) -> float | None:
+    """``1 - decay ** count`` as torch.optim computes it, with Python floats, where ``decay`` is a number and
+    ``count`` a plain CPU count (``host_number``); ``None`` otherwise. C's ``pow``, as ``torch.pow`` of a 0-d tensor
+    (tests/test_numerics.py compares them)."""
+    if isinstance(decay, torch.Tensor):
+        return None
+    value = host_number(count)
+    if isinstance(value, torch.Tensor):
+        return None
+    try:
+        return 1.0 - float(decay) ** value
+    except OverflowError:  # |decay| > 1: torch.pow's inf instead
+        return None
 
 
 def dtype_for(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | None:

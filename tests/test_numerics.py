@@ -1,4 +1,4 @@
-"""fadam._numerics: the saturating step counter, host numbers and the record of zero-free tensors."""
+"""fadam._numerics: the saturating step counter, bias corrections, host numbers and the record of zero-free tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import gc
 
 import torch
 
-from fadam._numerics import host_number, known_positive, mark_positive, safe_increment, zero_count
+from fadam._numerics import (
+    bias_correction,
+    bias_correction_number,
+    host_number,
+    known_positive,
+    mark_positive,
+    safe_increment,
+    zero_count,
+)
 
 INT32_MAX = torch.iinfo(torch.int32).max
 
@@ -21,6 +29,28 @@ def test_safe_increment_counts_and_saturates_on_every_path() -> None:
     counts = torch.tensor([0, INT32_MAX - 1, INT32_MAX], dtype=torch.int32)
     stepped = torch.func.vmap(safe_increment)(counts)
     assert stepped.dtype == torch.int32 and stepped.tolist() == [1, INT32_MAX, INT32_MAX]
+
+
+def test_bias_correction_of_a_plain_count_is_the_tensor_formula_bit_for_bit() -> None:
+    # A plain count takes Python's pow, as torch.optim does; fadam computed torch.pow of the 0-d count in float64
+    # before, which calls the same C pow. Every count of a run must agree with it exactly.
+    counts = [*range(5001), 123_456, 10**7, INT32_MAX]
+    for decay in (0.9, 0.99, 0.999, 0.9999, 0.5, 0.0, 1.0):
+        for count in counts:
+            count = torch.tensor(count, dtype=torch.int32)
+            expected = (1 - torch.pow(decay, count.to(torch.float64))).item()
+            assert bias_correction_number(decay, count) == expected, (decay, count)
+        plain = bias_correction(decay, count)
+        assert plain.dtype == torch.float64 and plain.dim() == 0 and plain.item() == expected
+    top = torch.tensor(INT32_MAX, dtype=torch.int32)
+    assert bias_correction_number(torch.tensor(0.9), top) is None  # a tensor decay: the tensor formula
+    assert bias_correction_number(0.9, torch.ones(2, dtype=torch.int32)) is None  # not a 0-d count
+    assert bias_correction_number(3.0, top) is None  # overflows a float: torch.pow's inf
+    assert bias_correction(3.0, top).item() == float("-inf")
+    # per-member counts (vmap) take torch.pow's vector code, which may differ in the last bit
+    batched = torch.func.vmap(lambda c: bias_correction(0.9, c))(torch.arange(30, dtype=torch.int32))
+    expected = torch.tensor([1 - 0.9**k for k in range(30)], dtype=torch.float64)
+    torch.testing.assert_close(batched, expected, rtol=1e-15, atol=0)
 
 
 def test_host_number_reads_only_plain_cpu_scalars_outside_autograd() -> None:

@@ -36,7 +36,7 @@ import torch
 from fadam._base import FusedStep, ScalarOrSchedule
 from fadam._dispatch import plain_on_device
 from fadam._fused import _advance, _learning_rate
-from fadam._numerics import bias_correction, safe_increment
+from fadam._numerics import bias_correction, bias_correction_number, safe_increment
 from fadam._tree import PyTree, check_leaves
 from fadam.quantization import _native as native
 from fadam.quantization._codec import (
@@ -335,36 +335,42 @@ def fused_quantized_adam_step(
         if lr_value is None or (isinstance(lr_value, torch.Tensor) and lr_value.device.type != "cpu"):
             return None  # reading an accelerator lr here would sync; the chain handles it
         count = safe_increment(adam_state.count)
-        bc1, bc2 = bias_correction(b1, count), bias_correction(b2, count)
+        bc1 = bias_correction_number(b1, count)
+        if bc1 is None:
+            return None  # a batched or traced count: the chain
+        bc2_sqrt = bias_correction(b2, count).sqrt().item()  # torch's sqrt, as the chain's (not always math.sqrt's)
         factor = 1 - lr_value * weight_decay  # the decoupled decay factor, as add_decoupled_weight_decay computes it
-        scalars64 = torch.stack(
-            [torch.as_tensor(x, dtype=torch.float64).reshape(()) for x in (lr_value, bc1, bc2.sqrt(), factor)]
-        )
-        cpu = torch.device("cpu")
-        devices = {cpu if route == _NATIVE else p.device for p, (route, _, _) in zip(param_leaves, plans)}
-        on_device = {}
-        for device in devices:  # one copy per device and step, asynchronous on accelerators
-            scalars32 = scalars64.to(torch.float32)
-            moved = scalars32 if device == cpu else scalars32.pin_memory().to(device, non_blocking=True)
-            # separate 0-d tensors: a (4,) tensor would share its size with a 4-row param and pin it
-            on_device[device] = tuple(moved.unbind())
+        # [lr, bc1, bc2_sqrt, factor] as numbers (a tensor lr is a plain CPU one): the C++ kernel rounds them to
+        # float32 as the torch kernels' 0-d float32 tensors hold them
+        numbers = [float(x) for x in (lr_value, bc1, bc2_sqrt, factor)]
+        on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+        def scalars_on(device: torch.device) -> tuple[torch.Tensor, ...]:
+            # 0-d float32 tensors for the torch kernels, made once per device and step where a leaf needs them
+            # (asynchronously on accelerators); separate tensors: a (4,) one would share its size with a 4-row param
+            # and pin it
+            if device not in on_device:
+                scalars32 = torch.tensor(numbers, dtype=torch.float32)
+                moved = scalars32 if device.type == "cpu" else scalars32.pin_memory().to(device, non_blocking=True)
+                on_device[device] = tuple(moved.unbind())
+            return on_device[device]
+
         new_params, new_mus, new_nus = [], [], []
-        cpu_scalars = on_device.get(cpu)
-        leaves = native.Leaves(cpu_scalars, config, bits, block_size) if cpu_scalars else None
+        has_native = any(route == _NATIVE for route, _, _ in plans)
+        leaves = native.Leaves(numbers, config, bits, block_size) if has_native else None
         with torch.no_grad():
             for p, g, m, v, (route, m_id, v_id) in zip(param_leaves, grad_leaves, mus, nus, plans):
                 if route == _FULL:
                     m_new, v_new = _moments(p, g, m, v, config)
-                    u = _update(p, m_new, v_new, on_device[p.device], config)
+                    u = _update(p, m_new, v_new, scalars_on(p.device), config)
                     p_new = u if mode == "update" else p + u
                     if mode == "donate":
                         for target, value in ((p, p_new), (m, m_new), (v, v_new)):
                             target.copy_(value)
                         p_new, m_new, v_new = p, m, v
-                elif route == _NATIVE:
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, cpu_scalars, mode, leaves)
                 else:
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, on_device[p.device], mode, None)
+                    native_leaves = leaves if route == _NATIVE else None
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, scalars_on, mode, native_leaves)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
@@ -374,9 +380,9 @@ def fused_quantized_adam_step(
         new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
         return spec.unflatten(new_params), new_state
 
-    def _quantized_leaf(p, g, m, v, m_id, v_id, scalars, mode, leaves):
+    def _quantized_leaf(p, g, m, v, m_id, v_id, scalars_on, mode, leaves):
         # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs
-        # them all at once
+        # them all at once. scalars_on(device): the step's scalars as tensors, for the torch kernels
         if mode != "donate":
             m, v = QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
         if mode == "copy":
@@ -395,7 +401,7 @@ def fused_quantized_adam_step(
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             views = Rows(p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
-            _kernel()(views, scalars, tables, config, bits, out=out_rows)
+            _kernel()(views, scalars_on(p.device), tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
         new_m, new_v = _with_map(m, m_id, signed), _with_map(v, v_id, unsigned)  # the codes and absmax of m and v
         if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
@@ -404,7 +410,7 @@ def fused_quantized_adam_step(
             m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)
             v_full = dequantize_blockwise(v_tail, (tail,), bits, block_size)
             m_full, v_full = _moments(p_tail, g_tail, m_full, v_full, config)
-            u = _update(p_tail, m_full, v_full, scalars, config)
+            u = _update(p_tail, m_full, v_full, scalars_on(p.device), config)
             if out is None:
                 p_tail.add_(u)  # as the kernel: p + u
             else:

@@ -23,7 +23,7 @@ import functools
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -177,9 +177,10 @@ def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
     return codes
 
 
-def _shared_args(scalars: tuple[torch.Tensor, ...], config: tuple, bits: int) -> _Args:
-    """An ``_Args`` with the fields every leaf of one step shares (hyperparameters, this step's scalars, the
-    encoders); a leaf's tensors and sizes are filled into a copy of it."""
+def _shared_args(scalars: Sequence[float | torch.Tensor], config: tuple, bits: int) -> _Args:
+    """An ``_Args`` with the fields every leaf of one step shares (hyperparameters, this step's scalars [lr, bc1,
+    bc2_sqrt, factor], which the float fields round to float32 as torch does, and the encoders); the library fills in
+    each leaf's fields."""
     b1, b2, eps, weight_decay, decoupled, maximize = config
     (_, m_grid), (_, v_grid) = (_encoder(map_id) for map_id in map_pair(bits))
     lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
@@ -248,7 +249,7 @@ class Leaves:
     writes (tied weights, donated) first runs those before it, so that it reads their results as it would in
     order: in one call, the threads could split the two leaves between them."""
 
-    def __init__(self, scalars: tuple[torch.Tensor, ...], config: tuple, bits: int, block_size: int) -> None:
+    def __init__(self, scalars: Sequence[float], config: tuple, bits: int, block_size: int) -> None:
         maps = tables_on("cpu")[0]  # (maps, 256) float32, alive in tables_on's cache; builds _GRIDS
         self._maps_at, self._map_bytes = maps.data_ptr(), maps.stride(0) * maps.element_size()
         self._shared = _shared_args(scalars, config, bits)
