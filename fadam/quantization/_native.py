@@ -292,7 +292,9 @@ class Leaves:
         self._gradients.append(g)
         m_map, v_map = self._maps_at + m_id * self._map_bytes, self._maps_at + v_id * self._map_bytes
         takes_tail = (
-            tail > 0 and (self._bits == 8 or tail % 2 == 0) and not (param_dtype == 1 and self._eager_bf16_tail)
+            tail > 0
+            and (self._bits == 8 or tail % 2 == 0)
+            and not (p.dtype == torch.bfloat16 and self._eager_bf16_tail)
         )
         last = tail if takes_tail else block  # the ragged block as a last, shorter row
         rows += takes_tail
