@@ -99,10 +99,19 @@ def check_fused_step_matches_chain(make, bits, kwargs, unfused, exact):
     _assert_moments_close(fused_s, chain_s, params, bits, block)
 
 
-def test_fused_step_bf16_params(unfused):
+@pytest.mark.parametrize(
+    ("lr", "weight_decay"),
+    [
+        (1e-2, 1e-2),
+        (0.1, 0.3),  # a decay factor (0.97) that bfloat16 cannot hold: p is multiplied by its float32 value
+        (torch.tensor(0.1), 0.3),  # a tensor factor, which the chain rounds to bfloat16 first
+    ],
+)
+def test_fused_step_bf16_params(unfused, lr, weight_decay):
     torch.manual_seed(0)
     params = {"w": torch.randn(40, 30).to(torch.bfloat16), "b": torch.randn(7).to(torch.bfloat16)}
-    tx, chain = fadam.adamw8bit(lr=1e-2, min_size=100), unfused(fadam.adamw8bit, lr=1e-2, min_size=100)
+    kwargs = {"lr": lr, "weight_decay": weight_decay, "min_size": 100}
+    tx, chain = fadam.adamw8bit(**kwargs), unfused(fadam.adamw8bit, **kwargs)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     fused_p, _ = fadam.step(tx, params, grads, tx.init(params))
     updates, _ = chain.update(grads, tx.init(params), params)
@@ -111,6 +120,23 @@ def test_fused_step_bf16_params(unfused):
         assert fused_p[k].dtype == fused_updates[k].dtype == updates[k].dtype == torch.bfloat16
         torch.testing.assert_close(fused_p[k], fadam.apply_updates(params, updates)[k], rtol=0, atol=0)
         torch.testing.assert_close(fused_updates[k], updates[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [fadam.adamw8bit, fadam.adam8bit])
+def test_fused_step_float64_params_with_full_precision_moments_equal_the_chain(make, unfused):
+    # the eager math of a small float64 leaf divides by the bias corrections and scales by the lr in float64, as the
+    # chain does (float32 scalars, as for the other dtypes, moved its last bits)
+    torch.manual_seed(0)
+    params = {"b": torch.randn(1000, dtype=torch.float64)}
+    tx, chain = make(lr=1e-2, weight_decay=0.1), unfused(make, lr=1e-2, weight_decay=0.1)
+    p, state, chain_p, chain_state = params, tx.init(params), params, chain.init(params)
+    for _ in range(3):
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        p, state = fadam.step(tx, p, grads, state)
+        updates, chain_state = chain.update(grads, chain_state, chain_p)
+        chain_p = fadam.apply_updates(chain_p, updates)
+    assert torch.equal(p["b"], chain_p["b"])
+    assert optree.tree_all(optree.tree_map(torch.equal, state, chain_state))
 
 
 @pytest.mark.parametrize(
@@ -199,6 +225,46 @@ def test_fused_step_leaves_a_malformed_state_to_the_chain_before_writing_anythin
     before = [t.clone() for t in optree.tree_leaves((params, bad_state))]
     assert tx.update.fused_step(params, grads, bad_state, True) is None
     assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((params, bad_state))))
+
+
+def _with_moment(state, moment: str, key: str, value: torch.Tensor):
+    quantized = _quantized(state)
+    moments = getattr(quantized.inner_state, moment)
+    inner = quantized.inner_state._replace(**{moment: {**moments, key: value}})
+    return tuple(quantized._replace(inner_state=inner) if s is quantized else s for s in state)
+
+
+@pytest.mark.parametrize("moment", ["mu", "nu"])
+@pytest.mark.parametrize("corruption", ["short", "reshaped"])
+def test_fused_step_leaves_a_malformed_full_precision_moment_to_the_chain(moment, corruption):
+    # float32 moments below min_size also go to the C++ kernel, which writes through their addresses
+    params = {"a": torch.randn(1024), "b": torch.randn(1024)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx = fadam.adamw8bit(lr=1e-2, min_size=10**6)
+    state = tx.init(params)
+    state = fadam.step(tx, params, grads, state)[1]
+    good = getattr(_quantized(state).inner_state, moment)["b"]
+    bad_state = _with_moment(state, moment, "b", good[:-1].clone() if corruption == "short" else good.reshape(32, 32))
+    before = [t.clone() for t in optree.tree_leaves((params, bad_state))]
+    assert tx.update.fused_step(params, grads, bad_state, True) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((params, bad_state))))
+
+
+def test_full_precision_moments_the_kernel_cannot_take_run_eagerly_as_the_chain(unfused):
+    # float64 or strided float32 moments below min_size: the fused step's eager math, bit for bit the chain's
+    params = {"a": torch.randn(1024), "b": torch.randn(1024), "c": torch.randn(1024)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx, chain = fadam.adamw8bit(lr=1e-2, min_size=10**6), unfused(fadam.adamw8bit, lr=1e-2, min_size=10**6)
+    state = tx.init(params)
+    state = fadam.step(tx, params, grads, state)[1]
+    for moment in ("mu", "nu"):
+        values = getattr(_quantized(state).inner_state, moment)
+        state = _with_moment(state, moment, "a", values["a"].double())
+        strided = torch.stack([values["b"], values["b"]], dim=1)[:, 0]
+        state = _with_moment(state, moment, "b", strided)
+    fused = fadam.step(tx, params, grads, state)
+    updates, chain_state = chain.update(grads, state, params)
+    assert optree.tree_all(optree.tree_map(torch.equal, fused, (fadam.apply_updates(params, updates), chain_state)))
 
 
 @pytest.mark.parametrize(("make", "bits"), [(fadam.adamw8bit, 8), (fadam.adam4bit, 4)])

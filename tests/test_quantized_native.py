@@ -30,6 +30,12 @@ def leaf_parts(fields: list[int]) -> list[tuple[int, int, int, torch.dtype]]:
     ]
 
 
+def full_leaf_parts(fields: list[int]) -> list[tuple[int, int, int, torch.dtype]]:
+    """``leaf_parts`` of the leaves whose moments stay in full precision (their m's address is given)."""
+    width = _native._LEAF_FIELDS
+    return [part for i, part in zip(range(0, len(fields), width), leaf_parts(fields)) if fields[i + 9]]
+
+
 def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
     q = quantize_blockwise(values, bits, block, map_id=torch.tensor(map_id, dtype=torch.uint8))
     return q.codes.view(values.numel() // block, -1), q.absmax, q.map_id
@@ -193,6 +199,64 @@ def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, r
     whole, tail = divmod(n, block)
     expected = (whole + 1, block, tail) if ragged_in_kernel else (whole, block, block)  # the leaf "w"
     assert expected in blocks
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_kernel_runs_full_precision_leaves_as_the_eager_kernels(config, threads, monkeypatch):
+    # Leaves under min_size keep their moments unquantized; float32 ones run in the kernel's call with the quantized
+    # leaves, bit for bit as the eager kernels run them, in chunks of 4096 elements split between the threads
+    b1, b2, eps, weight_decay, decoupled, maximize = config
+    make = fadam.adamw8bit if decoupled else fadam.adam8bit
+    tx = make(lr=1e-2, betas=(b1, b2), eps=eps, weight_decay=weight_decay, maximize=maximize, min_size=10_000)
+    torch.manual_seed(int(b1 * 10))
+    sizes = (1, 63, 64, 65, 255, 257, 1000, 9000)
+    params = {f"f{n}": torch.randn(n) for n in sizes}
+    params |= {
+        "matrix": torch.randn(33, 7),
+        "q": torch.randn(40 * 256 + 2),  # quantized
+        "h": torch.randn(300).to(torch.bfloat16),  # its moments float32 below
+        "h16": torch.randn(300).to(torch.bfloat16),  # bfloat16 moments: eager
+    }
+    grads = [
+        {k: (torch.randn(v.shape) * 10.0 ** torch.randint(-6, 2, v.shape)).to(v.dtype) for k, v in params.items()}
+        for _ in range(3)
+    ]
+    grads[1]["f1000"][5], grads[1]["f9000"][8000] = float("nan"), float("inf")
+    full = []
+    run = _native._run
+    monkeypatch.setattr(
+        _native, "_run", lambda shared, fields: full.extend(full_leaf_parts(fields)) or run(shared, fields)
+    )
+
+    def with_float32_moments(state, key):
+        index = next(i for i, part in enumerate(state) if isinstance(part, fadam.QuantizedState))
+        adam = state[index].inner_state
+        mu, nu = dict(adam.mu), dict(adam.nu)
+        mu[key], nu[key] = mu[key].float(), nu[key].float()
+        return (*state[:index], fadam.QuantizedState(adam._replace(mu=mu, nu=nu)), *state[index + 1 :])
+
+    results = []
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for native in (True, False):
+            with pytest.MonkeyPatch.context() as patch:
+                if not native:
+                    patch.setattr(_native, "available", lambda: False)
+                p, s = params, with_float32_moments(tx.init(params), "h")
+                for i, g in enumerate(grads):
+                    p, s = fadam.step(tx, p, g, s, donate=i == 2)
+                updates, update_s = tx.update(grads[0], s, p)
+                results.append(optree.tree_leaves((p, s, updates, update_s)))
+    finally:
+        torch.set_num_threads(previous_threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    expected = {(-(-n // 256), 256, n - (-(-n // 256) - 1) * 256, torch.float32) for n in (*sizes, 33 * 7)}
+    if decoupled or not weight_decay:  # bfloat16 params with Adam's L2 decay: eager (_native.Leaves.add)
+        expected.add((2, 256, 300 - 256, torch.bfloat16))
+    assert set(full) == expected
 
 
 def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
@@ -377,13 +441,14 @@ def test_the_native_encoder_table_rejects_a_map_with_two_midpoints_in_one_patter
         _native._encoder.cache_clear()
 
 
-def test_a_param_that_two_leaves_share_is_updated_by_one_after_the_other(monkeypatch):
+@pytest.mark.parametrize("min_size", [1, 10**6])  # quantized moments; full-precision ones
+def test_a_param_that_two_leaves_share_is_updated_by_one_after_the_other(min_size, monkeypatch):
     # tied weights, donated: the second leaf's step reads the first one's result, as with a call per leaf, even when
     # the threads would otherwise split the two leaves between them
     torch.manual_seed(0)
     shared = torch.randn(64 * 256)
     grads = {"a": torch.randn(64 * 256), "b": torch.randn(64 * 256)}
-    tx = fadam.adamw8bit(lr=1e-2, weight_decay=0.1, min_size=1)
+    tx = fadam.adamw8bit(lr=1e-2, weight_decay=0.1, min_size=min_size)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -6,7 +6,8 @@
 // in the same loops as the params and codes of the current one (fused_row; 3-10% faster than one half after the
 // other on 16.8M params, see benchmarks/README.md), which skip the encoder's clamps where a row's moments are all
 // finite (nearly always).
-// Moments are encoded as the codec does, times the reciprocal of their block's absmax.
+// Moments are encoded as the codec does, times the reciprocal of their block's absmax. The same call runs the step's
+// leaves whose moments stay in full precision (float32; run_full): the same arithmetic without codes.
 //
 // The arithmetic is the chain's, operation by operation and in float32, so that results equal the eager kernels in
 // _fused.py bit for bit: ATen's vectorized CPU lerp, addcmul and add-with-alpha are each one fused multiply-add
@@ -49,6 +50,8 @@ struct Args {
   float* v_absmax;
   const float* m_map;  // the 256 values of the map each moment was stored with
   const float* v_map;
+  float* m;  // a full-precision leaf's float32 moments, updated in place (its codes, absmax and maps are null);
+  float* v;  // null for a quantized leaf
   Grid m_grid;  // the maps the moments are written with: signed for m, non-negative for v (v >= 0)
   Grid v_grid;
   int64_t rows;
@@ -67,7 +70,8 @@ struct Args {
   float lr;
   float bc1;
   float bc2_sqrt;
-  float factor;  // decoupled decay factor 1 - lr * weight_decay
+  float factor;  // what float32 params multiply by for the decoupled decay: 1 - lr * weight_decay
+  float bf16_factor;  // what bfloat16 params multiply by: the same, or rounded to bfloat16 (see _fused._update)
 };
 
 // torch's CPU sqrt: MKL's vsSqrt where torch was built with MKL (its last bit differs from the IEEE square root for
@@ -109,6 +113,7 @@ inline float from_bits(int32_t bits) {
 // ops in float32 and rounds each result).
 struct Float32 {
   using Storage = float;
+  static float decay_factor(const Args& a) { return a.factor; }
   static float load(float x) { return x; }
   static float store(float x) { return x; }
   static float round(float x) { return x; }
@@ -116,6 +121,7 @@ struct Float32 {
 
 struct BFloat16 {
   using Storage = uint16_t;
+  static float decay_factor(const Args& a) { return a.bf16_factor; }
   static float load(uint16_t x) { return from_bits(static_cast<int32_t>(static_cast<uint32_t>(x) << 16)); }
   static uint16_t store(float x) {  // round to nearest even, as c10::BFloat16; NaN stays NaN
     uint32_t bits;
@@ -231,7 +237,7 @@ template <typename P>
 struct UpdateRule {
   float bc1, bc2_sqrt, eps, negative_lr, factor;
   explicit UpdateRule(const Args& a)
-      : bc1(a.bc1), bc2_sqrt(a.bc2_sqrt), eps(a.eps), negative_lr(-a.lr), factor(P::round(a.factor)) {}
+      : bc1(a.bc1), bc2_sqrt(a.bc2_sqrt), eps(a.eps), negative_lr(-a.lr), factor(P::decay_factor(a)) {}
 };
 
 // _fused._update: ((m / bc1) / (sqrt(v) / bc2_sqrt + eps)).to(p.dtype) * -lr, minus (p - p * factor) (AdamW)
@@ -326,6 +332,31 @@ __attribute__((noinline, noclone)) bool fused_row(
   return absmax_bits(m_top, v_top, next_m, next_v, n, m_max, v_max);
 }
 
+// A full-precision leaf's elements [0, n): its float32 moments m and v updated in place, with the quantized rows'
+// arithmetic and no codes.
+template <typename P, bool kCoupled>
+__attribute__((noinline, noclone)) void full_moments(const Args& a, const typename P::Storage* __restrict p,
+                                                     const typename P::Storage* __restrict g, float* __restrict m,
+                                                     float* __restrict v, int64_t n) {
+  const MomentRule<P> rule(a);
+  int32_t m_top = 0, v_top = 0;  // no absmax: unread
+  for (int64_t i = 0; i < n; ++i) {
+    next_moments<P, kCoupled>(rule, m[i], v[i], P::load(g[i]), kCoupled ? P::load(p[i]) : 0.0f, m[i], v[i], m_top,
+                              v_top);
+  }
+}
+
+// A full-precision leaf's params (or updates, into out) [0, n) from its new m and the square roots of its new v.
+template <typename P, bool kDecoupled, bool kToOut>
+__attribute__((noinline, noclone)) void full_finish(const Args& a, typename P::Storage* __restrict p,
+                                                    typename P::Storage* __restrict out, const float* __restrict m,
+                                                    const float* __restrict root, int64_t n) {
+  const UpdateRule<P> rule(a);
+  for (int64_t i = 0; i < n; ++i) {
+    (kToOut ? out : p)[i] = result_of<P, kDecoupled, kToOut>(rule, m[i], root[i], P::load(p[i]));
+  }
+}
+
 // Codes widened to int32 before they index a map: gcc reads a table at uint8 indices with one scalar load per
 // element, at int32 indices with a vector gather (16.8M params, two threads: 5 ms less a step). 4-bit codes: element
 // 2i is the low nibble of byte i. Separate functions so that the pointers are restrict: uint8_t stores may alias
@@ -357,6 +388,8 @@ struct Kernels {
   bool (*fused)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, const float*,
                 float, float, uint8_t*, uint8_t*, const typename P::Storage*, const typename P::Storage*,
                 const int32_t*, const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
+  void (*full_moments)(const Args&, const typename P::Storage*, const typename P::Storage*, float*, float*, int64_t);
+  void (*full_finish)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, int64_t);
 };
 
 // Rows per group for a row length: its square roots are taken in one call, as are the next group's.
@@ -477,6 +510,25 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
   }
 }
 
+// A full-precision leaf's rows [begin, end), in chunks of a scratch group's size: the new moments, their square
+// roots in one call, then the params.
+template <typename P>
+void run_full(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, Scratch& scratch) {
+  using Storage = typename P::Storage;
+  Storage* params = static_cast<Storage*>(a.p);
+  const Storage* grads = static_cast<const Storage*>(a.g);
+  Storage* updates = static_cast<Storage*>(a.out);
+  float* root = scratch.current.root.data();
+  const int64_t chunk = static_cast<int64_t>(scratch.current.root.size());
+  const int64_t stop = end * a.block - (end == a.rows ? a.block - a.last : 0);
+  for (int64_t start = begin * a.block; start < stop; start += chunk) {
+    const int64_t n = std::min(chunk, stop - start);
+    kernels.full_moments(a, params + start, grads + start, a.m + start, a.v + start, n);
+    square_roots(a.v + start, root, n);
+    kernels.full_finish(a, params + start, updates == nullptr ? nullptr : updates + start, a.m + start, root, n);
+  }
+}
+
 // Calls f with std::true_type or std::false_type: a runtime flag as a template argument.
 template <typename F>
 void with_flag(bool flag, F&& f) {
@@ -489,20 +541,27 @@ void dispatch(const Args& a, int64_t begin, int64_t end, Scratch& scratch) {
   with_flag(a.coupled_decay, [&](auto coupled) {
     constexpr bool kCoupled = decltype(coupled)::value;
     kernels.moments = &moments_row<P, kCoupled>;
+    kernels.full_moments = &full_moments<P, kCoupled>;
     with_flag(a.decoupled_decay, [&](auto decoupled) {
       with_flag(a.out != nullptr, [&](auto to_out) {
         constexpr bool kDecoupled = decltype(decoupled)::value, kToOut = decltype(to_out)::value;
         kernels.finish = &finish_row<P, kDecoupled, kToOut>;
         kernels.fused = &fused_row<P, kCoupled, kDecoupled, kToOut>;
+        kernels.full_finish = &full_finish<P, kDecoupled, kToOut>;
       });
     });
   });
-  run<P>(a, kernels, begin, end, scratch);
+  if (a.m != nullptr) {
+    run_full<P>(a, kernels, begin, end, scratch);
+  } else {
+    run<P>(a, kernels, begin, end, scratch);
+  }
 }
 
 // A leaf's fields as fadam/quantization/_native.py lays them out (_LEAF_FIELDS): the addresses of p, g, out (0 for
-// none), m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then rows, block, last and param_dtype.
-constexpr int64_t kLeafFields = 13;
+// none), m_codes, m_absmax, v_codes, v_absmax, m_map, v_map, m and v (0 for the ones a leaf has not), then rows,
+// block, last and param_dtype.
+constexpr int64_t kLeafFields = 15;
 
 template <typename T>
 T* address(int64_t field) {
@@ -521,10 +580,12 @@ Args leaf_args(const Args& shared, const int64_t* f) {
   a.v_absmax = address<float>(f[6]);
   a.m_map = address<const float>(f[7]);
   a.v_map = address<const float>(f[8]);
-  a.rows = f[9];
-  a.block = f[10];
-  a.last = f[11];
-  a.param_dtype = static_cast<int32_t>(f[12]);
+  a.m = address<float>(f[9]);
+  a.v = address<float>(f[10]);
+  a.rows = f[11];
+  a.block = f[12];
+  a.last = f[13];
+  a.param_dtype = static_cast<int32_t>(f[14]);
   return a;
 }
 
@@ -540,7 +601,8 @@ extern "C" int64_t fadam_quantized_adam_leaves(const Args* shared, const int64_t
   int64_t elements = 0, rows = 0, block = 0;  // the largest group and row: each thread's scratch
   for (int64_t i = 0; i < count; ++i) {
     const Args& a = args[i] = leaf_args(*shared, fields + i * kLeafFields);
-    const bool bits_ok = a.bits == 8 || (a.bits == 4 && a.block % 2 == 0 && a.last % 2 == 0);
+    const bool full = a.m != nullptr && a.v != nullptr;  // full-precision moments: no codes to pack
+    const bool bits_ok = full || a.bits == 8 || (a.bits == 4 && a.block % 2 == 0 && a.last % 2 == 0);
     const bool sizes_ok = a.block >= 1 && a.rows >= 0 && a.last >= 1 && a.last <= a.block;
     if (!bits_ok || !sizes_ok || (a.param_dtype != 0 && a.param_dtype != 1)) return i + 1;
     first_row[i + 1] = first_row[i] + a.rows;

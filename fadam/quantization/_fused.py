@@ -20,8 +20,10 @@ kernel rounds twice: about one new m entry in ten differs by an ulp, which rarel
 m codes in one step on random data). Codes are decoded with the map they were stored with; the new m is encoded with the
 signed map and the new v with the non-negative one (v >= 0 by construction), where the chain picks from the values (it
 may choose the non-negative map for an m that happens to have no negative entry; either decodes). Small leaves
-(full-precision state) run the same math eagerly. Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov,
-non-contiguous params, tensor weight decay, an ``update`` without params) takes the chain.
+(full-precision state) run the same math: in the C++ kernel's call for float32 moments of float32 or bfloat16 CPU
+params, eagerly otherwise, with the step's scalars in float64 where the param or its moments are float64. Anything
+else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous params, tensor weight decay, an ``update`` without
+params) takes the chain.
 """
 
 from __future__ import annotations
@@ -71,12 +73,15 @@ def _update(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: tuple[torch.Tensor, ...], config: tuple
 ) -> torch.Tensor:
     """The chain's final update (after the learning rate and decoupled decay) from the new moments, in p's dtype.
-    ``scalars`` = [lr, bc1, bc2_sqrt, decay factor]; grads have p's dtype."""
+    ``scalars`` = [lr, bc1, bc2_sqrt, decay factor] as 0-d tensors; grads have p's dtype. The factor is the value the
+    chain multiplies p by: 1 - lr * weight_decay, or, where that is a tensor (a tensor lr), the same rounded to p's
+    dtype (``add_decoupled_weight_decay``). ATen multiplies a low-precision p by a 0-d tensor's float32 value, as by a
+    number's."""
     eps, weight_decay, decoupled = config[2:5]
     lr, bc1, bc2_sqrt, factor = scalars[0], scalars[1], scalars[2], scalars[3]
     u = ((m / bc1) / (v.sqrt() / bc2_sqrt + eps)).to(p.dtype) * -lr
     if weight_decay and decoupled:
-        u = u - (p - p * factor.to(p.dtype)).to(u.dtype)
+        u = u - (p - p * factor).to(u.dtype)
     return u.to(p.dtype)
 
 
@@ -236,7 +241,9 @@ def _with_map(q: QuantizedArray, stored: int | None, map_id: int) -> QuantizedAr
     return q._replace(map_id=torch.full_like(q.map_id, map_id))  # on an accelerator, a kernel: no host sync
 
 
-_FULL, _NATIVE, _ROWS = range(3)  # a leaf's route: full-precision state; the C++ kernel; the compiled kernels
+# A leaf's route: full-precision state, eagerly or in the C++ kernel; quantized state, in the C++ kernel or the compiled
+# kernels
+_FULL, _NATIVE_FULL, _NATIVE, _ROWS = range(4)
 
 
 def _plan(
@@ -251,9 +258,22 @@ def _plan(
     if not isinstance(p, torch.Tensor) or g is None or p.dtype != g.dtype or not p.is_floating_point():
         return None  # a skipped param (no gradient) or a complex one: the chain
     if not isinstance(m, QuantizedArray):
-        if isinstance(v, QuantizedArray) or not plain_on_device((p, g, m, v), p, grad_enabled):
+        if (
+            isinstance(v, QuantizedArray)
+            or not plain_on_device((p, g, m, v), p, grad_enabled)
+            or not m.shape == v.shape == p.shape
+        ):
             return None
-        return _FULL, None, None
+        native_full = (
+            p.is_cpu
+            and p.dtype in native.PARAM_DTYPES
+            and m.dtype == v.dtype == torch.float32
+            and p.is_contiguous()
+            and m.is_contiguous()
+            and v.is_contiguous()
+            and native.available()
+        )
+        return (_NATIVE_FULL if native_full else _FULL), None, None
     if not isinstance(v, QuantizedArray):
         return None
     m_codes, m_absmax, m_map = m
@@ -340,29 +360,46 @@ def fused_quantized_adam_step(
             return None  # a batched or traced count: the chain
         bc2_sqrt = bias_correction(b2, count).sqrt().item()  # torch's sqrt, as the chain's (not always math.sqrt's)
         factor = 1 - lr_value * weight_decay  # the decoupled decay factor, as add_decoupled_weight_decay computes it
-        # [lr, bc1, bc2_sqrt, factor] as numbers (a tensor lr is a plain CPU one): the C++ kernel rounds them to
-        # float32 as the torch kernels' 0-d float32 tensors hold them
-        numbers = [float(x) for x in (lr_value, bc1, bc2_sqrt, factor)]
-        on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        # the chain rounds the decay factor to the param's dtype where it is a tensor (a tensor lr): _update
+        rounds_factor = isinstance(factor, torch.Tensor)
+        # [lr, bc1, bc2_sqrt, factor, bf16_factor] as numbers (a tensor lr is a plain CPU one): the C++ kernel rounds
+        # them to float32 as the torch kernels' 0-d float32 tensors hold them
+        bf16_factor = factor.to(torch.bfloat16) if rounds_factor else factor
+        numbers = [float(x) for x in (lr_value, bc1, bc2_sqrt, factor, bf16_factor)]
+        made: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, ...]] = {}
 
-        def scalars_on(device: torch.device) -> tuple[torch.Tensor, ...]:
-            # 0-d float32 tensors for the torch kernels, made once per device and step where a leaf needs them
-            # (asynchronously on accelerators); separate tensors: a (4,) one would share its size with a 4-row param
-            # and pin it
-            if device not in on_device:
-                scalars32 = torch.tensor(numbers, dtype=torch.float32)
-                moved = scalars32 if device.type == "cpu" else scalars32.pin_memory().to(device, non_blocking=True)
-                on_device[device] = tuple(moved.unbind())
-            return on_device[device]
+        def scalars_for(p: torch.Tensor, *moments: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # [lr, bc1, bc2_sqrt, factor] as 0-d tensors for the torch kernels, made once per param device and dtype
+            # and step where a leaf needs them (asynchronously on accelerators): float64 where the param or its
+            # full-precision moments are, as the chain computes with the numbers in float64 there (ATen rounds a
+            # Python scalar to float32 elsewhere, as it does these); separate tensors: a (4,) one would share its size
+            # with a 4-row param and pin it
+            wide = any(t.dtype == torch.float64 for t in (p, *moments))
+            key = (p.device, p.dtype, wide)
+            if key not in made:
+                scalars = torch.tensor(numbers[:4], dtype=torch.float64 if wide else torch.float32)
+                if rounds_factor:
+                    scalars[3] = factor.to(p.dtype)  # exact in float32 (or float64)
+                moved = scalars if p.is_cpu else scalars.pin_memory().to(p.device, non_blocking=True)
+                made[key] = tuple(moved.unbind())
+            return made[key]
 
         new_params, new_mus, new_nus = [], [], []
-        has_native = any(route == _NATIVE for route, _, _ in plans)
+        has_native = any(route in (_NATIVE, _NATIVE_FULL) for route, _, _ in plans)
         leaves = native.Leaves(numbers, config, bits, block_size) if has_native else None
         with torch.no_grad():
             for p, g, m, v, (route, m_id, v_id) in zip(param_leaves, grad_leaves, mus, nus, plans):
-                if route == _FULL:
+                if route == _NATIVE_FULL and leaves.takes_full(p):  # recorded; leaves.run() writes it
+                    if mode != "donate":
+                        m, v = m.clone(), v.clone()
+                    if mode == "copy":
+                        p = p.clone()
+                    out = torch.empty_like(p) if mode == "update" else None
+                    leaves.add_full(p, g.contiguous(), out, m, v)
+                    p_new, m_new, v_new = p if out is None else out, m, v
+                elif route in (_FULL, _NATIVE_FULL):
                     m_new, v_new = _moments(p, g, m, v, config)
-                    u = _update(p, m_new, v_new, scalars_on(p.device), config)
+                    u = _update(p, m_new, v_new, scalars_for(p, m, v), config)
                     p_new = u if mode == "update" else p + u
                     if mode == "donate":
                         for target, value in ((p, p_new), (m, m_new), (v, v_new)):
@@ -370,7 +407,7 @@ def fused_quantized_adam_step(
                         p_new, m_new, v_new = p, m, v
                 else:
                     native_leaves = leaves if route == _NATIVE else None
-                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, scalars_on, mode, native_leaves)
+                    p_new, m_new, v_new = _quantized_leaf(p, g, m, v, m_id, v_id, scalars_for, mode, native_leaves)
                 new_params.append(p_new)
                 new_mus.append(m_new)
                 new_nus.append(v_new)
@@ -380,9 +417,9 @@ def fused_quantized_adam_step(
         new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
         return spec.unflatten(new_params), new_state
 
-    def _quantized_leaf(p, g, m, v, m_id, v_id, scalars_on, mode, leaves):
+    def _quantized_leaf(p, g, m, v, m_id, v_id, scalars_for, mode, leaves):
         # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs
-        # them all at once. scalars_on(device): the step's scalars as tensors, for the torch kernels
+        # them all at once. scalars_for(p): the step's scalars as tensors, for the torch kernels
         if mode != "donate":
             m, v = QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
         if mode == "copy":
@@ -401,7 +438,7 @@ def fused_quantized_adam_step(
             m_map, v_map = map_values(m.map_id, tables), map_values(v.map_id, tables)  # the stored maps' values
             views = Rows(p_rows, g_rows, m_rows, m.absmax[:rows], m_map, v_rows, v.absmax[:rows], v_map)
             out_rows = None if out is None else _split_rows(out, rows, block_size)[0]
-            _kernel()(views, scalars_on(p.device), tables, config, bits, out=out_rows)
+            _kernel()(views, scalars_for(p), tables, config, bits, out=out_rows)
         tail = p.numel() - rows * block_size
         new_m, new_v = _with_map(m, m_id, signed), _with_map(v, v_id, unsigned)  # the codes and absmax of m and v
         if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
@@ -410,7 +447,7 @@ def fused_quantized_adam_step(
             m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)
             v_full = dequantize_blockwise(v_tail, (tail,), bits, block_size)
             m_full, v_full = _moments(p_tail, g_tail, m_full, v_full, config)
-            u = _update(p_tail, m_full, v_full, scalars_on(p.device), config)
+            u = _update(p_tail, m_full, v_full, scalars_for(p), config)
             if out is None:
                 p_tail.add_(u)  # as the kernel: p + u
             else:

@@ -5,7 +5,9 @@ through memory between its two kernels; this loop does the same math in one pass
 second half of one group of blocks in the same loop as the first half of the next (16.8M params, 2 threads: about
 20 ms against inductor's 80-93 ms; see benchmarks/README.md). Its results equal the eager kernels bit for bit:
 ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it). Only float32
-and bfloat16 params on the CPU take it; everything else keeps the compiled kernels.
+and bfloat16 params on the CPU take it; everything else keeps the compiled kernels. The same call runs the step's
+leaves whose moments stay in full precision (float32, below ``min_size``) with the same math, where eagerly each cost
+tens of microseconds of Python and ATen dispatch (a 16M-param GPT-2-style model has 42 such leaves among 64).
 
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which torch.compile's
 CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers: about 5 s on two
@@ -54,8 +56,7 @@ class _Grid(ctypes.Structure):
 class _Args(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in ("p", "g", "out", "m_codes", "m_absmax", "v_codes", "v_absmax")),
-        ("m_map", ctypes.c_void_p),
-        ("v_map", ctypes.c_void_p),
+        *((name, ctypes.c_void_p) for name in ("m_map", "v_map", "m", "v")),
         ("m_grid", _Grid),
         ("v_grid", _Grid),
         ("rows", ctypes.c_int64),
@@ -64,7 +65,10 @@ class _Args(ctypes.Structure):
         *((name, ctypes.c_int32) for name in ("bits", "param_dtype", "maximize", "coupled_decay", "decoupled_decay")),
         *(
             (name, ctypes.c_float)
-            for name in ("b1_weight", "b2", "one_minus_b2", "eps", "weight_decay", "lr", "bc1", "bc2_sqrt", "factor")
+            for name in (
+                *("b1_weight", "b2", "one_minus_b2", "eps", "weight_decay"),
+                *("lr", "bc1", "bc2_sqrt", "factor", "bf16_factor"),
+            )
         ),
     ]
 
@@ -179,11 +183,12 @@ def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
 
 def _shared_args(scalars: Sequence[float | torch.Tensor], config: tuple, bits: int) -> _Args:
     """An ``_Args`` with the fields every leaf of one step shares (hyperparameters, this step's scalars [lr, bc1,
-    bc2_sqrt, factor], which the float fields round to float32 as torch does, and the encoders); the library fills in
-    each leaf's fields."""
+    bc2_sqrt, factor, bf16_factor], which the float fields round to float32 as torch does, and the encoders); the
+    library fills in each leaf's fields. ``factor`` is what float32 params multiply by for the decoupled decay and
+    ``bf16_factor`` what bfloat16 ones do (``_fused._update``'s ``factor`` for each)."""
     b1, b2, eps, weight_decay, decoupled, maximize = config
     (_, m_grid), (_, v_grid) = (_encoder(map_id) for map_id in map_pair(bits))
-    lr, bc1, bc2_sqrt, factor = (float(s) for s in scalars)
+    lr, bc1, bc2_sqrt, factor, bf16_factor = (float(s) for s in scalars)
     return _Args(
         m_grid=m_grid,
         v_grid=v_grid,
@@ -200,13 +205,14 @@ def _shared_args(scalars: Sequence[float | torch.Tensor], config: tuple, bits: i
         bc1=bc1,
         bc2_sqrt=bc2_sqrt,
         factor=factor,
+        bf16_factor=bf16_factor,
     )
 
 
-# A leaf's fields, as the library reads them (kLeafFields in the source): the addresses of p, g, out (0 for none),
-# m_codes, m_absmax, v_codes, v_absmax, m_map and v_map, then its rows, their length, the last one's (shorter for a
-# ragged last block) and param_dtype.
-_LEAF_FIELDS = 13
+# A leaf's fields, as the library reads them (kLeafFields in the source): the addresses of p, g, out, m_codes,
+# m_absmax, v_codes, v_absmax, m_map, v_map, and of m and v for a full-precision leaf (0 for the ones a leaf has not),
+# then its rows, their length, the last one's (shorter for a ragged last block) and param_dtype.
+_LEAF_FIELDS = 15
 
 
 def _run(shared: _Args, fields: list[int]) -> None:
@@ -236,16 +242,18 @@ def step_rows(
     through ``Leaves``; this row-level form is how tests compare the kernel with the eager kernels on crafted rows.
     ``tables`` goes unread: the kernel encodes with tables packed from the CPU ones once (``_encoder``)."""
     p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map = views
-    tensors = (p, g, out, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map)  # _LEAF_FIELDS' order
+    tensors = (p, g, out, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map, None, None)  # _LEAF_FIELDS' order
     fields = [0 if t is None else t.data_ptr() for t in tensors]
     rows, block = p.shape
-    _run(_shared_args(scalars, config, bits), [*fields, rows, block, block, PARAM_DTYPES.get(p.dtype, -1)])
+    shared = _shared_args((*scalars, scalars[3]), config, bits)  # p's dtype multiplies by scalars[3]
+    _run(shared, [*fields, rows, block, block, PARAM_DTYPES.get(p.dtype, -1)])
 
 
 class Leaves:
-    """One step's quantized leaves for the kernel, run together by ``run``: one call into the library for all of
-    them, where a call per leaf cost more Python than a 4096-element leaf's work. ``add`` records a leaf's pointers
-    (its caller checks the leaf first); nothing runs until ``run``, except that a leaf writing what an earlier one
+    """One step's leaves for the kernel, run together by ``run``: one call into the library for all of them, where a
+    call per leaf cost more Python than a 4096-element leaf's work. ``add`` records a quantized leaf's pointers and
+    ``add_full`` those of a leaf whose moments stay in full precision (its caller checks the leaf first); nothing runs
+    until ``run``, except that a leaf writing what an earlier one
     writes (tied weights, donated) first runs those before it, so that it reads their results as it would in
     order: in one call, the threads could split the two leaves between them."""
 
@@ -285,11 +293,7 @@ class Leaves:
         p_at, g_at, out_at = p.data_ptr(), g.data_ptr(), 0 if out is None else out.data_ptr()
         m_codes, m_absmax = m.codes.data_ptr(), m.absmax.data_ptr()
         v_codes, v_absmax = v.codes.data_ptr(), v.absmax.data_ptr()
-        written = (out_at or p_at, m_codes, m_absmax, v_codes, v_absmax)
-        if not self._written.isdisjoint(written):
-            self.run()
-        self._written.update(written)
-        self._gradients.append(g)
+        self._writes(g, (out_at or p_at, m_codes, m_absmax, v_codes, v_absmax))
         m_map, v_map = self._maps_at + m_id * self._map_bytes, self._maps_at + v_id * self._map_bytes
         takes_tail = (
             tail > 0
@@ -300,9 +304,40 @@ class Leaves:
         rows += takes_tail
         if rows:
             self._fields += (
-                p_at, g_at, out_at, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map, rows, block, last, param_dtype,
+                p_at, g_at, out_at, m_codes, m_absmax, v_codes, v_absmax, m_map, v_map, 0, 0, rows, block, last,
+                param_dtype,
             )  # fmt: skip
         return tail == 0 or takes_tail
+
+    def takes_full(self, p: torch.Tensor) -> bool:
+        """Whether ``add_full`` may take ``p``'s leaf: not bfloat16 params with Adam's L2 decay, whose last elements
+        ATen's eager ops round otherwise (see ``add``)."""
+        return not (p.dtype == torch.bfloat16 and self._eager_bf16_tail)
+
+    def add_full(
+        self, p: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Records a leaf whose moments ``m`` and ``v`` stay in full precision, updated in place: its caller checks
+        (``_fused._plan``, ``takes_full``) float32 or bfloat16 params and gradients and float32 moments, all
+        contiguous and of p's shape on the CPU, and holds p, out, m and v until ``run``. Its rows are whole blocks and a
+        shorter last one, as a quantized leaf's."""
+        block, n = self._block, p.numel()
+        rows = -(-n // block)
+        if rows:
+            p_at, out_at, m_at, v_at = p.data_ptr(), 0 if out is None else out.data_ptr(), m.data_ptr(), v.data_ptr()
+            self._writes(g, (out_at or p_at, m_at, v_at))
+            self._fields += (
+                p_at, g.data_ptr(), out_at, 0, 0, 0, 0, 0, 0, m_at, v_at, rows, block, n - (rows - 1) * block,
+                PARAM_DTYPES[p.dtype],
+            )  # fmt: skip
+
+    def _writes(self, g: torch.Tensor, written: tuple[int, ...]) -> None:
+        # A leaf about to be recorded: runs the recorded ones first if it writes what they write (tied weights), and
+        # holds its gradient until run.
+        if not self._written.isdisjoint(written):
+            self.run()
+        self._written.update(written)
+        self._gradients.append(g)
 
     def run(self) -> None:
         if self._fields:
