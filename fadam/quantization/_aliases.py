@@ -88,7 +88,8 @@ def adam8bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adam`` (coupled L2 weight decay).
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep float32 moments (bitsandbytes' ``min_8bit_size``).
+        min_size: params with fewer elements keep unquantized moments in the param's dtype, as ``fadam.adam`` keeps
+            them (bitsandbytes' ``min_8bit_size``; bitsandbytes keeps float32 ones).
 
     Example:
         >>> import torch, fadam
@@ -124,7 +125,7 @@ def adamw8bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adamw``.
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep float32 moments.
+        min_size: params with fewer elements keep unquantized moments, in the param's dtype.
 
     Example:
         >>> import torch, fadam
@@ -159,7 +160,7 @@ def adam4bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adam``.
         block_size: elements per quantization block (default 128).
-        min_size: params with fewer elements keep float32 moments.
+        min_size: params with fewer elements keep unquantized moments, in the param's dtype.
 
     Example:
         >>> import torch, fadam
@@ -194,7 +195,7 @@ def adamw4bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adamw``.
         block_size: elements per quantization block (default 128).
-        min_size: params with fewer elements keep float32 moments.
+        min_size: params with fewer elements keep unquantized moments, in the param's dtype.
 
     Example:
         >>> import torch, fadam
@@ -229,7 +230,7 @@ def sgd8bit(
     Args:
         lr, momentum, dampening, weight_decay, nesterov, maximize: as ``fadam.sgd`` (momentum must be > 0).
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep a float32 buffer.
+        min_size: params with fewer elements keep an unquantized buffer, in the param's dtype.
 
     Example:
         >>> import torch, fadam
@@ -273,7 +274,7 @@ def lion8bit(
         weight_decay: decoupled weight decay.
         maximize: maximize the objective.
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep a float32 momentum.
+        min_size: params with fewer elements keep an unquantized momentum, in the param's dtype.
 
     Example:
         >>> import torch, fadam
