@@ -10,9 +10,9 @@
    (fused step on the C++ kernel and, for comparison, on the torch.compile kernel it replaces on the CPU; ``update`` +
    ``apply_updates``, which runs the C++ kernel out of place), fadam 4-bit fused, fadam steps under torch.compile,
    torch.optim.AdamW and bitsandbytes Adam8bit; medians of interleaved runs, and ratios. Then the fused steps alone,
-   interleaved among themselves, for the target's ratio: on the one tensor, and on as many params in 200 tensors (whole
-   blocks, then each with a ragged last block). Also the first-step build and compile times and a check that changing
-   the learning rate never recompiles.
+   interleaved among themselves, for the target's ratio: on the one tensor, on as many params in 200 tensors (whole
+   blocks, then each with a ragged last block) and on a GPT-2-style model of 16M params (64 tensors). Also the
+   first-step build and compile times and a check that changing the learning rate never recompiles.
 """
 
 from __future__ import annotations
@@ -170,14 +170,24 @@ def _torch_fused_runner(params: dict[str, torch.Tensor], grads: list[dict[str, t
 
 
 def many_tensors_rows(n: int, reps: int) -> list[str]:
-    """The fused steps on about ``n`` params as 200 tensors, as a model holds them: each 8-bit leaf costs Python
-    and a kernel call, and a leaf whose size is not a multiple of 256 ends in a ragged block."""
+    """The fused steps on about ``n`` params as a model holds them: in 200 tensors, where each 8-bit leaf costs Python
+    and a leaf whose size is not a multiple of 256 ends in a ragged block; and as a GPT-2-style model, most of whose
+    tensors (norms, biases) are under min_size and keep float32 moments."""
     rows = []
     whole = (n // 200) // 256 * 256
-    for label, size in ((f"{whole} (whole blocks)", whole), (f"{whole + 100} (a ragged 100 at the end)", whole + 100)):
+    dim = 512 if n >= 1 << 24 else 128  # 16.0M params (5 layers) or 1.0M
+    models = {
+        f"200 tensors of {whole} (whole blocks)": {f"w{k}": (whole,) for k in range(200)},
+        f"200 tensors of {whole + 100} (a ragged 100 at the end)": {f"w{k}": (whole + 100,) for k in range(200)},
+    }
+    gpt = {k: tuple(v.shape) for k, v in gpt_params(dim, 5, 256, 256).items()}
+    small = sum(torch.Size(shape).numel() < 4096 for shape in gpt.values())
+    gpt_n = sum(torch.Size(shape).numel() for shape in gpt.values())
+    models[f"a GPT-2-style model ({gpt_n / 1e6:.1f}M params, {len(gpt)} tensors, {small} under min_size)"] = gpt
+    for label, shapes in models.items():
         torch.manual_seed(0)
-        params = {f"w{k}": torch.randn(size) for k in range(200)}
-        grads = [{k: torch.randn(size) * 1e-2 for k in params} for _ in range(2)]
+        params = {k: torch.randn(shape) for k, shape in shapes.items()}
+        grads = [{k: torch.randn(v.shape) * 1e-2 for k, v in params.items()} for _ in range(2)]
         runners = {
             "fadam adamw fp32, fused step": _fused_step_runner(fadam.adamw(lr=1e-3), params, grads),
             "torch.optim.AdamW(fused=True)": _torch_fused_runner(params, grads),
@@ -187,7 +197,7 @@ def many_tensors_rows(n: int, reps: int) -> list[str]:
             runner(0)
         medians = {name: median_ms(ts) for name, ts in interleaved(runners, list(runners), reps).items()}
         fp32, fused = medians["fadam adamw fp32, fused step"], medians["torch.optim.AdamW(fused=True)"]
-        rows.append(f"the fused steps on 200 tensors of {label}, interleaved ({reps} reps; as above):")
+        rows.append(f"the fused steps on {label}, interleaved ({reps} reps; as above):")
         for name, ms in medians.items():
             rows.append(f"  {name}: {ms:.1f} ms, {ms / fp32:.2f}x | {ms / fused:.2f}x")
         step, kernel = _kernel_share(runners["fadam adamw8bit, fused step (C++ kernel)"], reps)
