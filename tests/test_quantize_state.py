@@ -42,6 +42,21 @@ def test_only_large_selected_floating_leaves_are_quantized():
     assert state.count.dtype == torch.int32  # counts stay as they are
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_unquantized_state_of_small_or_masked_params_is_kept_in_at_least_float32(dtype):
+    # as bitsandbytes and torchao keep small tensors' state; float64 stays float64
+    params = {"w": torch.randn(512).to(dtype), "small": torch.randn(8).to(dtype), "masked": torch.randn(512).to(dtype)}
+    tx = fadam.quantize_state(fadam.scale_by_adam(), min_size=256, mask={"w": True, "small": True, "masked": False})
+    kept = torch.float64 if dtype == torch.float64 else torch.float32
+    state = tx.init(params)
+    for _ in range(2):
+        for moments in (state.inner_state.mu, state.inner_state.nu):
+            assert isinstance(moments["w"], QuantizedArray)
+            assert moments["small"].dtype == moments["masked"].dtype == kept
+        updates, state = tx.update({k: torch.randn_like(v) for k, v in params.items()}, state)
+        assert all(u.dtype == dtype for u in updates.values())
+
+
 def test_single_tensor_params_and_masked_inner():
     tx = fadam.quantize_state(fadam.trace(0.9), min_size=16)
     state = tx.init(torch.zeros(64))

@@ -215,8 +215,8 @@ def test_native_kernel_runs_full_precision_leaves_as_the_eager_kernels(config, t
     params |= {
         "matrix": torch.randn(33, 7),
         "q": torch.randn(40 * 256 + 2),  # quantized
-        "h": torch.randn(300).to(torch.bfloat16),  # its moments float32 below
-        "h16": torch.randn(300).to(torch.bfloat16),  # bfloat16 moments: eager
+        "h": torch.randn(300).to(torch.bfloat16),  # float32 moments, as quantize_state keeps a small bfloat16 leaf's
+        "h16": torch.randn(300).to(torch.bfloat16),  # bfloat16 moments (a state from elsewhere) below: eager
     }
     grads = [
         {k: (torch.randn(v.shape) * 10.0 ** torch.randint(-6, 2, v.shape)).to(v.dtype) for k, v in params.items()}
@@ -229,11 +229,11 @@ def test_native_kernel_runs_full_precision_leaves_as_the_eager_kernels(config, t
         _native, "_run", lambda shared, fields: full.extend(full_leaf_parts(fields)) or run(shared, fields)
     )
 
-    def with_float32_moments(state, key):
+    def with_bfloat16_moments(state, key):
         index = next(i for i, part in enumerate(state) if isinstance(part, fadam.QuantizedState))
         adam = state[index].inner_state
         mu, nu = dict(adam.mu), dict(adam.nu)
-        mu[key], nu[key] = mu[key].float(), nu[key].float()
+        mu[key], nu[key] = mu[key].bfloat16(), nu[key].bfloat16()
         return (*state[:index], fadam.QuantizedState(adam._replace(mu=mu, nu=nu)), *state[index + 1 :])
 
     results = []
@@ -244,7 +244,7 @@ def test_native_kernel_runs_full_precision_leaves_as_the_eager_kernels(config, t
             with pytest.MonkeyPatch.context() as patch:
                 if not native:
                     patch.setattr(_native, "available", lambda: False)
-                p, s = params, with_float32_moments(tx.init(params), "h")
+                p, s = params, with_bfloat16_moments(tx.init(params), "h16")
                 for i, g in enumerate(grads):
                     p, s = fadam.step(tx, p, g, s, donate=i == 2)
                 updates, update_s = tx.update(grads[0], s, p)

@@ -88,8 +88,8 @@ def adam8bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adam`` (coupled L2 weight decay).
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep unquantized moments in the param's dtype, as ``fadam.adam`` keeps
-            them (bitsandbytes' ``min_8bit_size``; bitsandbytes keeps float32 ones).
+        min_size: params with fewer elements keep float32 moments (float64 for float64 params; bitsandbytes'
+            ``min_8bit_size``).
 
     Example:
         >>> import torch, fadam
@@ -125,7 +125,7 @@ def adamw8bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adamw``.
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep unquantized moments, in the param's dtype.
+        min_size: params with fewer elements keep float32 moments (float64 for float64 params).
 
     Example:
         >>> import torch, fadam
@@ -160,7 +160,7 @@ def adam4bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adam``.
         block_size: elements per quantization block (default 128).
-        min_size: params with fewer elements keep unquantized moments, in the param's dtype.
+        min_size: params with fewer elements keep float32 moments (float64 for float64 params).
 
     Example:
         >>> import torch, fadam
@@ -195,7 +195,7 @@ def adamw4bit(
     Args:
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``fadam.adamw``.
         block_size: elements per quantization block (default 128).
-        min_size: params with fewer elements keep unquantized moments, in the param's dtype.
+        min_size: params with fewer elements keep float32 moments (float64 for float64 params).
 
     Example:
         >>> import torch, fadam
@@ -230,7 +230,7 @@ def sgd8bit(
     Args:
         lr, momentum, dampening, weight_decay, nesterov, maximize: as ``fadam.sgd`` (momentum must be > 0).
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep an unquantized buffer, in the param's dtype.
+        min_size: params with fewer elements keep a float32 buffer (float64 for float64 params).
 
     Example:
         >>> import torch, fadam
@@ -274,7 +274,7 @@ def lion8bit(
         weight_decay: decoupled weight decay.
         maximize: maximize the objective.
         block_size: elements per quantization block (default 256).
-        min_size: params with fewer elements keep an unquantized momentum, in the param's dtype.
+        min_size: params with fewer elements keep a float32 momentum (float64 for float64 params).
 
     Example:
         >>> import torch, fadam

@@ -67,6 +67,11 @@ def _mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> l
     return flags
 
 
+# State the wrapper keeps unquantized (small or masked params) in these dtypes is stored in float32 instead, as
+# bitsandbytes and torchao keep small tensors' state
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def quantize_state(
     inner: GradientTransformation,
     bits: int = 8,
@@ -83,8 +88,10 @@ def quantize_state(
     with each block's new absmax; the returned updates are the inner transform's, computed from the dequantized state.
     A state leaf is quantized when it sits in a subtree shaped like the params (Adam's ``mu``/``nu``, a momentum
     trace), is floating point (not complex), has its param's shape, and its param has at least ``min_size`` elements
-    (the global count for a DTensor, so sharding never changes the choice) and is selected by ``mask``. Counts, small
-    tensors and everything else stay as they are. On DTensor params (FSDP2) each rank quantizes its own shard with
+    (the global count for a DTensor, so sharding never changes the choice) and is selected by ``mask``. Such a leaf of
+    a smaller or unselected param stays unquantized, in float32 if it was bfloat16 or float16 (full precision, as the
+    quantized leaves' dequantized state and as bitsandbytes and torchao keep small tensors' state); counts and
+    everything else stay as they are. On DTensor params (FSDP2) each rank quantizes its own shard with
     no communication: codes are a uint8 DTensor sharded like the param, scales are per block of the local shard
     (a power-of-two ``block_size`` only; 4-bit codes are kept one per byte there, about 1 byte per element; see
     ``fadam.quantization._sharded`` for the layout, when it matches one process exactly, and how checkpoints reshard
@@ -136,19 +143,20 @@ def quantize_state(
         new_leaves = []
         for path, leaf, position in zip(spec.paths(), leaves, _param_positions(inner_state, params_spec)):
             param = None if position is None else param_leaves[position]
-            if (
+            param_shaped = (
                 isinstance(leaf, torch.Tensor)
                 and isinstance(param, torch.Tensor)
                 and leaf.is_floating_point()
                 and leaf.shape == param.shape
-                and param.numel() >= min_size
-                and selected[position]
-            ):
+            )
+            if param_shaped and param.numel() >= min_size and selected[position]:
                 if is_dtensor(leaf):
                     check_sharded_args(bits, block, f"quantized state at {path_str(path)}")
                     leaf = quantize_sharded(leaf, bits, block)
                 else:
                     leaf = quantize_blockwise(leaf, bits, block)
+            elif param_shaped and leaf.dtype in _HALF_DTYPES:
+                leaf = leaf.float()  # full precision, as the quantized leaves' dequantized state
             new_leaves.append(leaf)
         return QuantizedState(spec.unflatten(new_leaves))
 
