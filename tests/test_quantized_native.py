@@ -259,6 +259,22 @@ def test_native_kernel_runs_full_precision_leaves_as_the_eager_kernels(config, t
     assert set(full) == expected
 
 
+@pytest.mark.parametrize("defect", ["m without v", "a last row longer than the rows", "an unknown param dtype"])
+def test_the_kernel_refuses_a_leaf_it_cannot_run_before_running_any(defect):
+    tables_on("cpu")
+    p, g, m, v = torch.randn(512), torch.randn(512), torch.zeros(512), torch.zeros(512)
+    before = p.clone()
+    # two full-precision leaves of two 256-element rows each over the same tensors; the second one is malformed
+    good = [p.data_ptr(), g.data_ptr(), 0, 0, 0, 0, 0, 0, 0, m.data_ptr(), v.data_ptr(), 2, 256, 256, 0]
+    bad = list(good)
+    field, value = {"m without v": (10, 0), "a last row longer than the rows": (13, 257)}.get(defect, (14, 7))
+    bad[field] = value
+    shared = _native._shared_args([1e-3, 0.1, 0.03, 1.0, 1.0], CONFIGS[0], 8)
+    with pytest.raises(ValueError, match="the quantized Adam CPU kernel takes"):
+        _native._run(shared, good + bad)
+    assert torch.equal(p, before) and not m.any() and not v.any()
+
+
 def test_native_kernel_decodes_m_stored_with_the_non_negative_map():
     # the chain may have stored m with the non-negative map; the kernel decodes it with it and writes the signed one
     eager, native = run_both(8, CONFIGS[1], 0, 0, m_map_id=map_pair(8)[1])

@@ -601,10 +601,10 @@ extern "C" int64_t fadam_quantized_adam_leaves(const Args* shared, const int64_t
   int64_t elements = 0, rows = 0, block = 0;  // the largest group and row: each thread's scratch
   for (int64_t i = 0; i < count; ++i) {
     const Args& a = args[i] = leaf_args(*shared, fields + i * kLeafFields);
-    const bool full = a.m != nullptr && a.v != nullptr;  // full-precision moments: no codes to pack
+    const bool full = a.m != nullptr;  // full-precision moments: no codes to pack
     const bool bits_ok = full || a.bits == 8 || (a.bits == 4 && a.block % 2 == 0 && a.last % 2 == 0);
     const bool sizes_ok = a.block >= 1 && a.rows >= 0 && a.last >= 1 && a.last <= a.block;
-    if (!bits_ok || !sizes_ok || (a.param_dtype != 0 && a.param_dtype != 1)) return i + 1;
+    if (!bits_ok || !sizes_ok || full != (a.v != nullptr) || (a.param_dtype != 0 && a.param_dtype != 1)) return i + 1;
     first_row[i + 1] = first_row[i] + a.rows;
     elements = std::max(elements, group_rows(a.block) * a.block);
     rows = std::max(rows, group_rows(a.block));
