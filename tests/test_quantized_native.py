@@ -145,6 +145,28 @@ def test_native_kernel_on_two_threads_equals_the_eager_kernels_and_restores_mkl_
         torch.set_num_threads(threads)
 
 
+def assert_native_equals_eager(tx, params, grads, threads: int, state=None) -> None:
+    """Three steps (the last donated) and an update from ``state`` (``tx.init``'s by default), with the C++ kernel and
+    with the eager kernels, on ``threads`` threads: params, states and updates equal bit for bit."""
+    results = []
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for native in (True, False):
+            with pytest.MonkeyPatch.context() as patch:
+                if not native:  # the eager kernels: the rows chunk by chunk, the ragged block by the codec
+                    patch.setattr(_native, "available", lambda: False)
+                p, s = params, tx.init(params) if state is None else state
+                for i, g in enumerate(grads):
+                    p, s = fadam.step(tx, p, g, s, donate=i == 2)
+                updates, update_s = tx.update(grads[0], s, p)
+                results.append(optree.tree_leaves((p, s, updates, update_s)))
+    finally:
+        torch.set_num_threads(previous_threads)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize(
     ("make", "n", "ragged_in_kernel"),
     [
@@ -172,29 +194,14 @@ def test_native_kernel_takes_a_ragged_last_block_as_the_eager_kernels(make, n, r
     grads[1]["w"][-1] = float("nan")  # a non-finite moment in the ragged block: the kernel's clamping path
     grads[2]["c"][-2] = float("inf")
     tx = make(lr=1e-2, weight_decay=0.1, min_size=50)
-    results, blocks = [], []
+    blocks = []
     run = _native._run
     monkeypatch.setattr(
         _native,
         "_run",
         lambda shared, fields: blocks.extend(part[:3] for part in leaf_parts(fields)) or run(shared, fields),
     )
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for native in (True, False):
-            with pytest.MonkeyPatch.context() as patch:
-                if not native:  # the eager kernels: the rows chunk by chunk, the ragged block by the codec
-                    patch.setattr(_native, "available", lambda: False)
-                p, s = params, tx.init(params)
-                for i, g in enumerate(grads):
-                    p, s = fadam.step(tx, p, g, s, donate=i == 2)
-                updates, update_s = tx.update(grads[0], s, p)
-                results.append(optree.tree_leaves((p, s, updates, update_s)))
-    finally:
-        torch.set_num_threads(previous_threads)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert_native_equals_eager(tx, params, grads, threads)
     block = 256 if "8bit" in make.__name__ else 128
     whole, tail = divmod(n, block)
     expected = (whole + 1, block, tail) if ragged_in_kernel else (whole, block, block)  # the leaf "w"
@@ -229,30 +236,13 @@ def test_native_kernel_runs_full_precision_leaves_as_the_eager_kernels(config, t
         _native, "_run", lambda shared, fields: full.extend(full_leaf_parts(fields)) or run(shared, fields)
     )
 
-    def with_bfloat16_moments(state, key):
-        index = next(i for i, part in enumerate(state) if isinstance(part, fadam.QuantizedState))
-        adam = state[index].inner_state
-        mu, nu = dict(adam.mu), dict(adam.nu)
-        mu[key], nu[key] = mu[key].bfloat16(), nu[key].bfloat16()
-        return (*state[:index], fadam.QuantizedState(adam._replace(mu=mu, nu=nu)), *state[index + 1 :])
-
-    results = []
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for native in (True, False):
-            with pytest.MonkeyPatch.context() as patch:
-                if not native:
-                    patch.setattr(_native, "available", lambda: False)
-                p, s = params, with_bfloat16_moments(tx.init(params), "h16")
-                for i, g in enumerate(grads):
-                    p, s = fadam.step(tx, p, g, s, donate=i == 2)
-                updates, update_s = tx.update(grads[0], s, p)
-                results.append(optree.tree_leaves((p, s, updates, update_s)))
-    finally:
-        torch.set_num_threads(previous_threads)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    state = tx.init(params)
+    index = next(i for i, part in enumerate(state) if isinstance(part, fadam.QuantizedState))
+    adam = state[index].inner_state
+    mu, nu = dict(adam.mu), dict(adam.nu)
+    mu["h16"], nu["h16"] = mu["h16"].bfloat16(), nu["h16"].bfloat16()
+    state = (*state[:index], fadam.QuantizedState(adam._replace(mu=mu, nu=nu)), *state[index + 1 :])
+    assert_native_equals_eager(tx, params, grads, threads, state)
     expected = {(-(-n // 256), 256, n - (-(-n // 256) - 1) * 256, torch.float32) for n in (*sizes, 33 * 7)}
     if decoupled or not weight_decay:  # bfloat16 params with Adam's L2 decay: eager (_native.Leaves.add)
         expected.add((2, 256, 300 - 256, torch.bfloat16))
