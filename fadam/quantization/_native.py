@@ -253,9 +253,9 @@ class Leaves:
     """One step's leaves for the kernel, run together by ``run``: one call into the library for all of them, where a
     call per leaf cost more Python than a 4096-element leaf's work. ``add`` records a quantized leaf's pointers and
     ``add_full`` those of a leaf whose moments stay in full precision (its caller checks the leaf first); nothing runs
-    until ``run``, except that a leaf writing what an earlier one
-    writes (tied weights, donated) first runs those before it, so that it reads their results as it would in
-    order: in one call, the threads could split the two leaves between them."""
+    until ``run``, except that a leaf writing what an earlier one writes (tied weights, donated) first runs those
+    before it, so that it reads their results as it would in order: in one call, the threads could split the two
+    leaves between them."""
 
     def __init__(self, scalars: Sequence[float], config: tuple, bits: int, block_size: int) -> None:
         maps = tables_on("cpu")[0]  # (maps, 256) float32, alive in tables_on's cache; builds _GRIDS
