@@ -172,20 +172,20 @@ def check_leaves(
     for index, (leaf, ref) in enumerate(zip(leaves, like_leaves)):
         if leaf is None:
             continue
-        problem = _leaf_problem(leaf, ref)
+        problem = _leaf_problem(leaf, ref, like_what)
         if problem:
             raise ValueError(f"{what} leaf at {path_str(spec.paths()[index])}: {problem}")
     return leaves, like_leaves, spec
 
 
-def _leaf_problem(leaf: Any, ref: Any) -> str | None:
+def _leaf_problem(leaf: Any, ref: Any, like_what: str) -> str | None:
     if not isinstance(leaf, torch.Tensor):
         return f"expected a torch.Tensor or None, got {type(leaf).__name__}"
     if leaf.layout != torch.strided:
         return f"sparse or non-strided tensors ({leaf.layout}) are not supported; densify the gradient first"
     if isinstance(ref, torch.Tensor):
         if leaf.shape != ref.shape:
-            return f"shape {tuple(leaf.shape)} does not match expected {tuple(ref.shape)}"
+            return f"shape {tuple(leaf.shape)} does not match expected {tuple(ref.shape)} in {like_what}"
         if leaf.device != ref.device:
-            return f"device {leaf.device} does not match expected {ref.device}"
+            return f"device {leaf.device} does not match expected {ref.device} in {like_what}"
     return None

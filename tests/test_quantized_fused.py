@@ -250,6 +250,17 @@ def test_fused_step_leaves_a_malformed_full_precision_moment_to_the_chain(moment
     assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((params, bad_state))))
 
 
+def test_the_chain_names_the_state_of_a_malformed_full_precision_moment():
+    params = {"a": torch.randn(1024), "b": torch.randn(1024)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    tx = fadam.adamw8bit(lr=1e-2, min_size=10**6)
+    state = _with_moment(tx.init(params), "mu", "b", torch.zeros(1023))
+    with pytest.raises(
+        ValueError, match=r"\['b'\]: shape \(1024,\) does not match expected \(1023,\) in the Adam state"
+    ):
+        fadam.step(tx, params, grads, state)
+
+
 def test_full_precision_moments_the_kernel_cannot_take_run_eagerly_as_the_chain(unfused):
     # float64 or strided float32 moments below min_size: the fused step's eager math, bit for bit the chain's
     params = {"a": torch.randn(1024), "b": torch.randn(1024), "c": torch.randn(1024)}

@@ -73,13 +73,19 @@ def test_check_leaves_accepts_matching_trees():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda t: t.update(a=torch.ones(3)), r"updates leaf at \['a'\]: shape \(3,\) does not match expected \(2,\)"),
+        (
+            lambda t: t.update(a=torch.ones(3)),
+            r"updates leaf at \['a'\]: shape \(3,\) does not match expected \(2,\) in params",
+        ),
         (
             lambda t: t.update(a=[1.0, 2.0]),
             r"no leaf at \['a'\] in updates, but params has one; extra leaf at \['a'\]\[0\] in updates",
         ),
         (lambda t: t.update(a="x"), r"updates leaf at \['a'\]: expected a torch.Tensor or None, got str"),
-        (lambda t: t.update(a=torch.ones(2, device="meta")), r"\['a'\]: device meta does not match expected cpu"),
+        (
+            lambda t: t.update(a=torch.ones(2, device="meta")),
+            r"\['a'\]: device meta does not match expected cpu in params",
+        ),
         (lambda t: t.update(a=torch.ones(2).to_sparse()), r"\['a'\]: sparse or non-strided"),
         (
             lambda t: t.pop("a"),
