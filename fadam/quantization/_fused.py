@@ -302,6 +302,16 @@ def _plan(
     return (_NATIVE if p.dtype in native.PARAM_DTYPES and native.available() else _ROWS), m_id, v_id
 
 
+def _targets(p: torch.Tensor, m: Any, v: Any, mode: str) -> tuple[torch.Tensor, Any, Any, torch.Tensor | None]:
+    """What a leaf's kernel writes in place: p, m and v (tensors or ``QuantizedArray``s) themselves when donated, else
+    copies of the moments, and of p for "copy"; and ``out``, a fresh tensor for the update in mode "update"."""
+    if mode != "donate":
+        m, v = (QuantizedArray(*(t.clone() for t in q)) if isinstance(q, QuantizedArray) else q.clone() for q in (m, v))
+    if mode == "copy":
+        p = p.clone()
+    return p, m, v, torch.empty_like(p) if mode == "update" else None
+
+
 def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     flat = t.view(-1)
     return flat[: rows * width].view(rows, width), flat[rows * width :].view(1, -1)
@@ -390,11 +400,7 @@ def fused_quantized_adam_step(
         with torch.no_grad():
             for p, g, m, v, (route, m_id, v_id) in zip(param_leaves, grad_leaves, mus, nus, plans):
                 if route == _NATIVE_FULL and leaves.takes_full(p):  # recorded; leaves.run() writes it
-                    if mode != "donate":
-                        m, v = m.clone(), v.clone()
-                    if mode == "copy":
-                        p = p.clone()
-                    out = torch.empty_like(p) if mode == "update" else None
+                    p, m, v, out = _targets(p, m, v, mode)
                     leaves.add_full(p, g.contiguous(), out, m, v)
                     p_new, m_new, v_new = p if out is None else out, m, v
                 elif route in (_FULL, _NATIVE_FULL):
@@ -420,11 +426,7 @@ def fused_quantized_adam_step(
     def _quantized_leaf(p, g, m, v, m_id, v_id, scalars_for, mode, leaves):
         # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs
         # them all at once. scalars_for(p): the step's scalars as tensors, for the torch kernels
-        if mode != "donate":
-            m, v = QuantizedArray(*(t.clone() for t in m)), QuantizedArray(*(t.clone() for t in v))
-        if mode == "copy":
-            p = p.clone()
-        out = torch.empty_like(p) if mode == "update" else None  # p is contiguous, and so is out
+        p, m, v, out = _targets(p, m, v, mode)  # p is contiguous, and so is out
         rows = p.numel() // block_size
         width = block_size if bits == 8 else block_size // 2
         g = g.contiguous()
