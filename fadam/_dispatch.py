@@ -28,7 +28,7 @@ FUSED_DEVICE_TYPES = ("cpu", "cuda")  # plain_on_fused_devices asks is_cpu and i
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def functorch_wrapped(tensor: torch.Tensor) -> bool:
@@ -42,7 +42,7 @@ def functorch_wrapped(tensor: torch.Tensor) -> bool:
 
 def is_plain_type(tensor: torch.Tensor) -> bool:
     """A dense ``torch.Tensor`` or ``nn.Parameter``: no other subclass, no functorch wrapper (autograd may track it)."""
-    return type(tensor) in _PLAIN_TYPES and tensor.layout == torch.strided and not functorch_wrapped(tensor)
+    return type(tensor) in PLAIN_TYPES and tensor.layout == torch.strided and not functorch_wrapped(tensor)
 
 
 def is_plain(tensor: torch.Tensor) -> bool:
@@ -72,7 +72,7 @@ def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:
     wrapped = _functorch.is_functorch_wrapped_tensor
     return all(
         tensor is not None
-        and type(tensor) in _PLAIN_TYPES
+        and type(tensor) in PLAIN_TYPES
         and tensor.layout == torch.strided
         and not wrapped(tensor)
         and not (grad_enabled and tensor.requires_grad)
@@ -92,7 +92,7 @@ def plain_on_device(tensors: Sequence[torch.Tensor], like: torch.Tensor, grad_en
     strided, wrapped = torch.strided, _functorch.is_functorch_wrapped_tensor
     for tensor in tensors:  # a loop, not all(...): this runs for each of a step's leaves
         if (
-            type(tensor) not in _PLAIN_TYPES
+            type(tensor) not in PLAIN_TYPES
             or tensor.layout != strided
             or wrapped(tensor)
             or (grad_enabled and tensor.requires_grad)

@@ -474,3 +474,149 @@ def test_a_param_that_two_leaves_share_is_updated_by_one_after_the_other(min_siz
         torch.set_num_threads(previous_threads)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def read_in_one_call(monkeypatch) -> list[bool]:
+    """Records, for each donated step, whether its leaves were read in one C++ call (``_native.read_leaves``)."""
+    reads = []
+    read = _native.read_leaves
+    monkeypatch.setattr(_native, "read_leaves", lambda *a: reads.append(read(*a) is not None) or read(*a))
+    return reads
+
+
+def donated_steps(tx, params, grads, reading: bool) -> list[torch.Tensor]:
+    """Donated steps from ``tx.init``, the leaves read in one C++ call where they can be, or (``reading=False``) by
+    ``_fused._plan`` and ``_native.Leaves``; the params and state's leaves after each step."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not reading:
+            patch.setattr(_native, "_reader", lambda: None)
+        p = {k: v.clone() for k, v in params.items()}
+        s = tx.init(p)
+        leaves = []
+        for g in grads:
+            p, s = fadam.step(tx, p, g, s, donate=True)
+            leaves += [t.clone() for t in optree.tree_leaves((p, s))]
+    return leaves
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "in_one_call"),
+    [
+        (fadam.adamw8bit, torch.float32, True),
+        (fadam.adamw8bit, torch.bfloat16, True),
+        (fadam.adam8bit, torch.float32, True),  # Adam's L2 decay
+        (fadam.adam8bit, torch.bfloat16, False),  # ... which bfloat16 leaves take partly eagerly: _native.Leaves.add
+        (fadam.adamw4bit, torch.float32, True),
+        (fadam.adam4bit, torch.float32, True),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_donated_step_read_in_one_call_equals_the_python_reading(make, dtype, in_one_call, threads, monkeypatch):
+    # Quantized leaves with a ragged last block (even: 4 bits takes it), none at all, a matrix, full-precision ones;
+    # non-finite gradients. The first step reads in Python (init stores m with the non-negative map), the rest in C++.
+    torch.manual_seed(0)
+    shapes = {"w": (5 * 256 + 6,), "m": (40, 130), "e": (0,), "b": (9,), "s": (33, 7), "d": (40 * 256,)}
+    params = {k: torch.randn(shape).to(dtype) for k, shape in shapes.items()}
+    grads = [{k: torch.randn(v.shape).to(dtype) for k, v in params.items()} for _ in range(4)]
+    grads[2]["w"][-1] = float("nan")
+    grads[3]["d"][5] = float("inf")
+    tx = make(lr=1e-2, weight_decay=0.1, min_size=300)  # "b", "s" and "e" keep float32 moments
+    reads = read_in_one_call(monkeypatch)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        read_in_cpp = donated_steps(tx, params, grads, reading=True)
+        read_in_python = donated_steps(tx, params, grads, reading=False)
+    finally:
+        torch.set_num_threads(previous_threads)
+    assert reads[:4] == [False, in_one_call, in_one_call, in_one_call]
+    for a, b in zip(read_in_cpp, read_in_python, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _tied(params, grads, state):
+    inner = state[0].inner_state
+    copies = [{**moment, "v": optree.tree_map(torch.clone, moment["w"])} for moment in (inner.mu, inner.nu)]
+    state = (state[0]._replace(inner_state=inner._replace(mu=copies[0], nu=copies[1])), *state[1:])
+    return {**params, "v": params["w"]}, {**grads, "v": grads["w"]}, state
+
+
+def _transposed_gradient(params, grads, state):
+    return params, {**grads, "m": grads["m"].t().contiguous().t()}, state
+
+
+def _gradient_of_another_dtype(params, grads, state):
+    return params, {**grads, "w": grads["w"].double()}, state
+
+
+def _param_needing_a_graph(params, grads, state):
+    return {**params, "w": params["w"].clone().requires_grad_()}, grads, state
+
+
+def _short_codes(params, grads, state):
+    inner = state[0].inner_state
+    m = inner.mu["w"]
+    mu = {**inner.mu, "w": m._replace(codes=m.codes[:-1].clone())}
+    return params, grads, (state[0]._replace(inner_state=inner._replace(mu=mu)), *state[1:])
+
+
+def _odd_tail_at_4_bits(params, grads, state):
+    return params, grads, state  # "o": 5 * 128 + 3 elements, at 4 bits
+
+
+@pytest.mark.parametrize(
+    ("make", "defect"),
+    [
+        (fadam.adamw8bit, _tied),
+        (fadam.adamw8bit, _transposed_gradient),
+        (fadam.adamw8bit, _gradient_of_another_dtype),
+        (fadam.adamw8bit, _param_needing_a_graph),
+        (fadam.adamw8bit, _short_codes),
+        (fadam.adamw4bit, _odd_tail_at_4_bits),
+    ],
+)
+def test_reading_in_one_call_leaves_what_python_must_check_to_python(make, defect, monkeypatch):
+    # Each defect sends the step back to _fused._plan and _native.Leaves, which run it or pass it to the chain
+    # (which raises, for the short codes); results equal the Python reading's
+    torch.manual_seed(0)
+    params = {"w": torch.randn(5 * 256 + 6), "m": torch.randn(40, 130), "o": torch.randn(5 * 128 + 3)}
+    grads = {k: torch.randn(v.shape) for k, v in params.items()}
+    tx = make(lr=1e-2, weight_decay=0.1, min_size=50)
+    results = []
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # tied weights: the threads would split the two leaves' rows between them
+    for reading in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            reads = read_in_one_call(patch)
+            if not reading:
+                patch.setattr(_native, "_reader", lambda: None)
+            p = {k: v.clone() for k, v in params.items()}
+            p, s = fadam.step(tx, p, grads, tx.init(p), donate=True)  # m now stored with the signed map
+            p, g, s = defect(p, grads, s)
+            try:
+                results.append(optree.tree_leaves(fadam.step(tx, p, g, s, donate=True)))
+            except (ValueError, RuntimeError) as err:
+                results.append(str(err))
+        assert reads[-1] is False
+    torch.set_num_threads(previous_threads)
+    if isinstance(results[0], str):
+        assert results[0] == results[1]
+    else:
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_reading_in_one_call_is_not_tried_under_torch_func(monkeypatch):
+    # torch.func's wrappers are plain-typed tensors the shim cannot read: the step's per-tensor checks decide
+    tx = fadam.adamw8bit(lr=1e-2, min_size=50)
+    params = {"w": torch.randn(600)}
+    state = tx.init(params)
+    called = []
+    monkeypatch.setattr(_native, "read_leaves", lambda *a: called.append(a))
+
+    def loss(p):
+        new_p, _ = fadam.step(tx, p, {"w": torch.ones(600)}, state, donate=True)
+        return new_p["w"].sum()
+
+    torch.func.grad(loss)(params)
+    assert called == []

@@ -16,6 +16,12 @@
 // constant argument lost it): selections are bit masks, not branches, the absmax is an integer maximum over bit
 // patterns and the encoder an integer comparison with them (non-negative floats order as their bits do); all keep
 // IEEE results.
+//
+// A donated step whose leaves all take this kernel is read here as well (fadam_read_leaves): the metadata of its
+// tensors, through torch's C shim, checked as _fused._plan and _native.Leaves check them from Python, where reading
+// them cost about 8 us a leaf.
+
+#include <Python.h>  // first, as Python asks
 
 #include <ATen/Parallel.h>
 
@@ -630,6 +636,161 @@ extern "C" int64_t fadam_quantized_adam_leaves(const Args* shared, const int64_t
   return 0;
 }
 
+// torch's C shim (torch/csrc/inductor/aoti_torch/c/shim.h, its stable ABI), declared here rather than included so
+// that the references are weak: null where a torch lacks one, and then fadam_read_leaves declines every step.
+struct AtenTensorOpaque;
+using AtenTensorHandle = AtenTensorOpaque*;
+extern "C" {
+int32_t aoti_torch_get_data_ptr(AtenTensorHandle, void**) __attribute__((weak));
+int32_t aoti_torch_get_sizes(AtenTensorHandle, int64_t**) __attribute__((weak));
+int32_t aoti_torch_get_dim(AtenTensorHandle, int64_t*) __attribute__((weak));
+int32_t aoti_torch_get_dtype(AtenTensorHandle, int32_t*) __attribute__((weak));
+int32_t aoti_torch_get_device_type(AtenTensorHandle, int32_t*) __attribute__((weak));
+int32_t aoti_torch_get_layout(AtenTensorHandle, int32_t*) __attribute__((weak));
+int32_t aoti_torch_is_contiguous(AtenTensorHandle, bool*) __attribute__((weak));
+int32_t aoti_torch_delete_tensor_object(AtenTensorHandle) __attribute__((weak));
+int32_t aoti_torch_dtype_float32() __attribute__((weak));
+int32_t aoti_torch_dtype_bfloat16() __attribute__((weak));
+int32_t aoti_torch_dtype_uint8() __attribute__((weak));
+int32_t aoti_torch_device_type_cpu() __attribute__((weak));
+int32_t aoti_torch_layout_strided() __attribute__((weak));
+}
+
+namespace {
+
+bool has_shim() {
+  return aoti_torch_get_data_ptr && aoti_torch_get_sizes && aoti_torch_get_dim && aoti_torch_get_dtype &&
+         aoti_torch_get_device_type && aoti_torch_get_layout && aoti_torch_is_contiguous &&
+         aoti_torch_delete_tensor_object && aoti_torch_dtype_float32 && aoti_torch_dtype_bfloat16 &&
+         aoti_torch_dtype_uint8 && aoti_torch_device_type_cpu && aoti_torch_layout_strided;
+}
+
+// What a leaf's checks read of one of its tensors; dtype -1 for one that is not a dense CPU tensor.
+struct TensorFacts {
+  int32_t dtype = -1;
+  int64_t dim = 0;
+  const int64_t* sizes = nullptr;
+  bool contiguous = false;
+  void* data = nullptr;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d = 0; d < dim; ++d) n *= sizes[d];
+    return n;
+  }
+  bool same_shape(const TensorFacts& other) const {
+    return dim == other.dim && std::equal(sizes, sizes + dim, other.sizes);
+  }
+  // contiguous, of dtype, one-dimensional of `length` (or zero-dimensional for -1)
+  bool is(int32_t want, int64_t length) const {
+    return dtype == want && contiguous && (length < 0 ? dim == 0 : dim == 1 && sizes[0] == length);
+  }
+};
+
+// The data pointer is read last: a tensor without storage (a torch.func wrapper, say) logs the shim's error there.
+TensorFacts read_tensor(AtenTensorHandle handle) {
+  TensorFacts t;
+  int32_t device = -1, layout = -1, dtype = -1;
+  if (aoti_torch_get_device_type(handle, &device) || device != aoti_torch_device_type_cpu() ||
+      aoti_torch_get_layout(handle, &layout) || layout != aoti_torch_layout_strided() ||
+      aoti_torch_get_dtype(handle, &dtype) || aoti_torch_get_dim(handle, &t.dim) ||
+      aoti_torch_get_sizes(handle, const_cast<int64_t**>(&t.sizes)) ||
+      aoti_torch_is_contiguous(handle, &t.contiguous) || aoti_torch_get_data_ptr(handle, &t.data)) {
+    return TensorFacts{};
+  }
+  t.dtype = dtype;
+  return t;
+}
+
+}  // namespace
+
+// What fadam_read_leaves needs besides the tensors (_native._Reading).
+struct Reading {
+  int64_t bits;
+  int64_t block;
+  int64_t m_map_id;  // the maps the step writes m and v with; a leaf stored with others takes Python's path
+  int64_t v_map_id;
+  int64_t maps_at;  // the address of the (maps, 256) float32 map values, and a map's bytes
+  int64_t map_bytes;
+  int64_t coupled_decay;  // Adam's L2 decay: bfloat16 leaves take Python's path (_native.Leaves.add says why)
+};
+
+// One donated step's leaves, each of kinds[i] tensors among `handles` (a list of capsules of torch's tensor
+// handles, torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors'): 8 for quantized moments (p, g, and the codes,
+// absmax and map id of m, then of v), 4 for float32 ones (p, g, m, v). Checks each as _fused._plan,
+// _native.Leaves.add and add_full do and writes the fields of those with rows into `fields` (kLeafFields each).
+// Returns how many, or -1 where any leaf needs Python's path: a tensor not contiguous, not on the CPU, of another
+// dtype or shape, moments stored with other maps, a ragged last block the kernel leaves to Python, or two leaves
+// writing one tensor (tied weights). Deletes every handle in any case.
+extern "C" int64_t fadam_read_leaves(PyObject* handles, const int64_t* kinds, int64_t count, const Reading* reading,
+                                     int64_t* fields) {
+  if (!has_shim()) return -1;  // _native checks first: the handles are not deleted here
+  const Py_ssize_t total = PyList_GET_SIZE(handles);
+  std::vector<TensorFacts> tensors(total);
+  for (Py_ssize_t i = 0; i < total; ++i) {
+    auto* handle = static_cast<AtenTensorHandle>(PyCapsule_GetPointer(PyList_GET_ITEM(handles, i), nullptr));
+    if (handle == nullptr) {  // not one of torch's capsules: its leaf takes Python's path
+      PyErr_Clear();
+      continue;
+    }
+    tensors[i] = read_tensor(handle);
+    aoti_torch_delete_tensor_object(handle);
+  }
+  const int32_t float32 = aoti_torch_dtype_float32(), bfloat16 = aoti_torch_dtype_bfloat16();
+  const int32_t uint8 = aoti_torch_dtype_uint8();
+  const Reading& r = *reading;
+  std::vector<int64_t> written;
+  int64_t recorded = 0, at = 0;
+  for (int64_t leaf = 0; leaf < count; ++leaf) {
+    if (at + kinds[leaf] > total) return -1;
+    const TensorFacts* t = tensors.data() + at;
+    at += kinds[leaf];
+    const TensorFacts &p = t[0], &g = t[1];
+    const int64_t param_dtype = p.dtype == float32 ? 0 : p.dtype == bfloat16 ? 1 : -1;
+    if (param_dtype < 0 || g.dtype != p.dtype || !p.contiguous || !g.contiguous || !g.same_shape(p)) return -1;
+    if (param_dtype == 1 && r.coupled_decay) return -1;
+    const int64_t n = p.numel(), rows = (n + r.block - 1) / r.block, tail = n % r.block;
+    int64_t* f = fields + recorded * kLeafFields;
+    const auto address = [](const TensorFacts& x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x.data)); };
+    if (kinds[leaf] == 8) {
+      const TensorFacts &m_codes = t[2], &m_absmax = t[3], &m_map = t[4], &v_codes = t[5], &v_absmax = t[6],
+                   &v_map = t[7];
+      const int64_t codes = r.bits == 8 ? n : (n + 1) / 2;
+      if (!m_codes.is(uint8, codes) || !v_codes.is(uint8, codes) || !m_absmax.is(float32, rows) ||
+          !v_absmax.is(float32, rows) || !m_map.is(uint8, -1) || !v_map.is(uint8, -1) ||
+          *static_cast<uint8_t*>(m_map.data) != r.m_map_id || *static_cast<uint8_t*>(v_map.data) != r.v_map_id ||
+          (r.bits == 4 && tail % 2 != 0)) {
+        return -1;
+      }
+      if (rows == 0) continue;
+      const int64_t leaf_fields[kLeafFields] = {
+          address(p), address(g), 0, address(m_codes), address(m_absmax), address(v_codes), address(v_absmax),
+          r.maps_at + r.m_map_id * r.map_bytes, r.maps_at + r.v_map_id * r.map_bytes, 0, 0, rows, r.block,
+          tail ? tail : r.block, param_dtype};
+      std::copy(leaf_fields, leaf_fields + kLeafFields, f);
+      written.insert(written.end(), {address(p), address(m_codes), address(m_absmax), address(v_codes),
+                                     address(v_absmax)});
+    } else if (kinds[leaf] == 4) {
+      const TensorFacts &m = t[2], &v = t[3];
+      if (m.dtype != float32 || v.dtype != float32 || !m.contiguous || !v.contiguous || !m.same_shape(p) ||
+          !v.same_shape(p)) {
+        return -1;
+      }
+      if (rows == 0) continue;
+      const int64_t leaf_fields[kLeafFields] = {
+          address(p), address(g), 0, 0, 0, 0, 0, 0, 0, address(m), address(v), rows, r.block,
+          n - (rows - 1) * r.block, param_dtype};
+      std::copy(leaf_fields, leaf_fields + kLeafFields, f);
+      written.insert(written.end(), {address(p), address(m), address(v)});
+    } else {
+      return -1;
+    }
+    ++recorded;
+  }
+  std::sort(written.begin(), written.end());
+  if (at != total || std::adjacent_find(written.begin(), written.end()) != written.end()) return -1;
+  return recorded;
+}
+
 // The kernel's encoder alone, for y itself (clamped to [-1, 1], NaN to 0): what the tests and
 // benchmarks/check_encoder_exhaustive.py compare with the chain's codec.
 extern "C" void fadam_quantized_encode(const float* y, int64_t n, const Grid* grid, int32_t* codes) {
@@ -637,3 +798,6 @@ extern "C" void fadam_quantized_encode(const float* y, int64_t n, const Grid* gr
     codes[i] = static_cast<int32_t>(encode(unit(y[i], 1.0f), *grid) & 0xFFu);
   }
 }
+
+// Whether fadam_read_leaves can read tensors: torch exports the shim functions it calls.
+extern "C" int32_t fadam_reads_leaves() { return has_shim(); }

@@ -21,25 +21,28 @@ m codes in one step on random data). Codes are decoded with the map they were st
 signed map and the new v with the non-negative one (v >= 0 by construction), where the chain picks from the values (it
 may choose the non-negative map for an m that happens to have no negative entry; either decodes). Small leaves
 (full-precision state) run the same math: in the C++ kernel's call for float32 moments of float32 or bfloat16 CPU
-params, eagerly otherwise, with the step's scalars in float64 where the param or its moments are float64. Anything
-else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous params, tensor weight decay, an ``update`` without
-params) takes the chain.
+params, eagerly otherwise, with the step's scalars in float64 where the param or its moments are float64. A donated step
+whose leaves all go to the C++ kernel as they are is read and checked in C++ (``_native.read_leaves``), not leaf by leaf
+here; any other goes through ``_plan``. Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous
+params, tensor weight decay, an ``update`` without params) takes the chain.
 """
 
 from __future__ import annotations
 
+import array
 import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch._C import _functorch
 
 from fadam._base import FusedStep, ScalarOrSchedule
-from fadam._dispatch import plain_on_device
+from fadam._dispatch import PLAIN_TYPES, plain_on_device
 from fadam._fused import _advance, _learning_rate
 from fadam._numerics import bias_correction, bias_correction_number, safe_increment
-from fadam._tree import PyTree, check_leaves
+from fadam._tree import PyTree, check_leaves, tree_flatten
 from fadam.quantization import _native as native
 from fadam.quantization._codec import (
     QuantizedArray,
@@ -347,20 +350,24 @@ def fused_quantized_adam_step(
         # mode: "donate" writes params and state in place; "copy" writes copies; "update" returns the updates
         if isinstance(weight_decay, torch.Tensor) or torch.compiler.is_compiling():
             return None  # while tracing, the chain: its torch ops trace, a ctypes call would break the graph
-        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         wrapper_state = state[adam_index] if isinstance(state, tuple) and len(state) > adam_index else None
-        if not isinstance(wrapper_state, QuantizedState):
-            return None  # the chain raises the error that names the problem
-        adam_state = wrapper_state.inner_state
-        mus = spec.flatten_up_to(adam_state.mu)
-        nus = spec.flatten_up_to(adam_state.nu)
         grad_enabled = torch.is_grad_enabled()
-        plans = []
-        for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
-            plan = _plan(p, g, m, v, bits, block_size, grad_enabled)
-            if plan is None:
-                return None  # the chain serves these inputs, or raises the error that names the leaf
-            plans.append(plan)
+        read = None  # a donated step's leaves, read in C++: (fields, leaves) for native.run_fields
+        if mode == "donate" and isinstance(wrapper_state, QuantizedState):
+            read = _read_in_one_call(params, grads, wrapper_state.inner_state, grad_enabled)
+        if read is None:
+            grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+            if not isinstance(wrapper_state, QuantizedState):
+                return None  # the chain raises the error that names the problem
+            mus = spec.flatten_up_to(wrapper_state.inner_state.mu)
+            nus = spec.flatten_up_to(wrapper_state.inner_state.nu)
+            plans = []
+            for p, g, m, v in zip(param_leaves, grad_leaves, mus, nus):
+                plan = _plan(p, g, m, v, bits, block_size, grad_enabled)
+                if plan is None:
+                    return None  # the chain serves these inputs, or raises the error that names the leaf
+                plans.append(plan)
+        adam_state = wrapper_state.inner_state
         lr_value = _learning_rate(lr, state[adam_index + 1])
         if lr_value is None or (isinstance(lr_value, torch.Tensor) and lr_value.device.type != "cpu"):
             return None  # reading an accelerator lr here would sync; the chain handles it
@@ -376,6 +383,9 @@ def fused_quantized_adam_step(
         # them to float32 as the torch kernels' 0-d float32 tensors hold them
         bf16_factor = factor.to(torch.bfloat16) if rounds_factor else factor
         numbers = [float(x) for x in (lr_value, bc1, bc2_sqrt, factor, bf16_factor)]
+        if read is not None:  # every leaf in the C++ kernel, in place: params and state are the ones given
+            native.run_fields(*read, numbers, config, bits)
+            return params, _new_state(state, ScaleByAdamState(count, adam_state.mu, adam_state.nu))
         made: dict[tuple[torch.device, torch.dtype, bool], tuple[torch.Tensor, ...]] = {}
 
         def scalars_for(p: torch.Tensor, *moments: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -420,8 +430,36 @@ def fused_quantized_adam_step(
             if leaves is not None:
                 leaves.run()  # the C++ kernel's leaves, all in one call
         new_adam = ScaleByAdamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
-        new_state = tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
-        return spec.unflatten(new_params), new_state
+        return spec.unflatten(new_params), _new_state(state, new_adam)
+
+    def _new_state(state: tuple, new_adam: ScaleByAdamState) -> tuple:
+        return tuple(QuantizedState(new_adam) if i == adam_index else _advance(s) for i, s in enumerate(state))
+
+    def _read_in_one_call(
+        params: PyTree, grads: PyTree, adam_state: ScaleByAdamState, grad_enabled: bool
+    ) -> tuple[array.array, int] | None:
+        # A donated step's leaves read and checked in C++ (native.read_leaves), where every one takes the kernel as it
+        # is: about 8 us a leaf less than _plan and Leaves. None where any needs those (they then check it again).
+        # Python asks only what the shim cannot tell: that each tensor is a plain one autograd need not track, and
+        # that no torch.func transform is active (its wrappers are plain-typed).
+        if _functorch.maybe_current_level() is not None:
+            return None
+        param_leaves, spec = tree_flatten(params)
+        grad_leaves, grad_spec = tree_flatten(grads)
+        if grad_spec != spec:
+            return None
+        tensors: list[torch.Tensor] = []
+        kinds = []  # tensors per leaf: 8 with quantized moments, 4 with float32 ones
+        for p, g, m, v in zip(
+            param_leaves, grad_leaves, spec.flatten_up_to(adam_state.mu), spec.flatten_up_to(adam_state.nu)
+        ):
+            leaf = (p, g, *m, *v) if type(m) is QuantizedArray and type(v) is QuantizedArray else (p, g, m, v)
+            for t in leaf:
+                if type(t) not in PLAIN_TYPES or (grad_enabled and t.requires_grad):
+                    return None
+            tensors += leaf
+            kinds.append(len(leaf))
+        return native.read_leaves(tensors, kinds, bits, block_size, bool(weight_decay) and not decoupled)
 
     def _quantized_leaf(p, g, m, v, m_id, v_id, scalars_for, mode, leaves):
         # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs

@@ -9,11 +9,18 @@ and bfloat16 params on the CPU take it; everything else keeps the compiled kerne
 leaves whose moments stay in full precision (float32, below ``min_size``) with the same math, where eagerly each cost
 tens of microseconds of Python and ATen dispatch (a 16M-param GPT-2-style model has 42 such leaves among 64).
 
+A donated step whose leaves all take the kernel as they are (the common case from the second step on) is also read and
+checked there (``read_leaves``): its tensors go to the library as torch's C shim handles
+(``torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors``, the stable ABI that AOTInductor's code reads tensors with),
+rather than by ``_fused._plan`` and ``Leaves``, tensor by tensor in Python: the step's time outside the kernel went from
+about 23 to 10 us a leaf (benchmarks/README.md). Any leaf that needs more (a copy, an eager part, tied weights, another
+dtype...) sends the whole step back to them. A torch without the shim or the handles loses only that reading.
+
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which torch.compile's
-CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers: about 5 s on two
-cores. Its instruction set follows ATen's (``torch.backends.cpu.get_cpu_capability``), so that its multiply-adds are
-fused exactly where ATen's are. If the build fails, ``available`` warns once and returns ``False``, and the compiled
-kernels serve.
+CPU backend needs as well, and ninja) from this one file, with none of torch's extension headers (the shim's functions
+are declared there): about 5 s on two cores. Its instruction set follows ATen's
+(``torch.backends.cpu.get_cpu_capability``), so that its multiply-adds are fused exactly where ATen's are. If the build
+fails, ``available`` warns once and returns ``False``, and the compiled kernels serve.
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ import functools
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,6 +77,13 @@ class _Args(ctypes.Structure):
                 *("lr", "bc1", "bc2_sqrt", "factor", "bf16_factor"),
             )
         ),
+    ]
+
+
+class _Reading(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("bits", "block", "m_map_id", "v_map_id", "maps_at", "map_bytes", "coupled_decay")
     ]
 
 
@@ -125,6 +139,8 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_void_p,
     ]
     library.fadam_quantized_encode.restype = None
+    library.fadam_reads_leaves.argtypes = []
+    library.fadam_reads_leaves.restype = ctypes.c_int32
     return library
 
 
@@ -218,11 +234,14 @@ _LEAF_FIELDS = 15
 def _run(shared: _Args, fields: list[int]) -> None:
     """Runs in one call the leaves whose fields ``fields`` holds (``_LEAF_FIELDS`` each), with the hyperparameters
     and scalars of ``shared``."""
-    count = len(fields) // _LEAF_FIELDS
-    table = array.array("q", fields)
+    _run_table(shared, array.array("q", fields), len(fields) // _LEAF_FIELDS)
+
+
+def _run_table(shared: _Args, table: array.array, count: int) -> None:
+    # _run's call, with the fields already in an array (read_leaves writes them there)
     failed = _library().fadam_quantized_adam_leaves(ctypes.byref(shared), table.buffer_info()[0], count)
     if failed:
-        rows, block, last, param_dtype = fields[failed * _LEAF_FIELDS - 4 : failed * _LEAF_FIELDS]
+        rows, block, last, param_dtype = table[failed * _LEAF_FIELDS - 4 : failed * _LEAF_FIELDS]
         dtype = next((d for d, code in PARAM_DTYPES.items() if code == param_dtype), "another dtype")
         raise ValueError(
             f"the quantized Adam CPU kernel takes 8 or 4 bits (even rows) and float32 or bfloat16 params, got "
@@ -345,6 +364,56 @@ class Leaves:
         self._fields.clear()
         self._gradients.clear()
         self._written.clear()
+
+
+@functools.cache
+def _reader() -> tuple[Callable[[list[torch.Tensor]], list[Any]], Any] | None:
+    """``(alloc, read)``: torch's function that makes a list of its C shim's tensor handles (capsules) from tensors,
+    and the library's ``fadam_read_leaves``, called holding the GIL (it reads the list). ``None`` where this torch
+    has either not: each step's leaves are then read in Python."""
+    library = _library()
+    alloc = getattr(getattr(torch._C, "_aoti", None), "unsafe_alloc_void_ptrs_from_tensors", None)
+    if library is None or alloc is None or not library.fadam_reads_leaves():
+        return None
+    read = ctypes.PyDLL(library._name).fadam_read_leaves
+    read.argtypes = [ctypes.py_object, ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Reading), ctypes.c_void_p]
+    read.restype = ctypes.c_int64
+    return alloc, read
+
+
+def read_leaves(
+    tensors: list[torch.Tensor], kinds: list[int], bits: int, block_size: int, coupled_decay: bool
+) -> tuple[array.array, int] | None:
+    """The fields of a donated step's leaves, checked in C++: ``kinds`` says how many of ``tensors`` each leaf has, 8
+    for quantized moments (p, g, and m's codes, absmax and map id, then v's) and 4 for float32 ones (p, g, m, v).
+    Returns ``(fields, leaves)`` for ``run_fields``, or ``None`` where any leaf needs ``_fused._plan`` and ``Leaves``
+    (the library's comment on ``fadam_read_leaves`` lists when). The caller has checked that every tensor is a plain
+    one that autograd need not track and holds them until ``run_fields``. Nothing is written."""
+    reader = _reader() if available() else None
+    if reader is None:
+        return None
+    alloc, read = reader
+    maps = tables_on("cpu")[0]  # (maps, 256) float32, alive in tables_on's cache
+    signed, unsigned = map_pair(bits)
+    reading = _Reading(
+        bits=bits,
+        block=block_size,
+        m_map_id=signed,
+        v_map_id=unsigned,
+        maps_at=maps.data_ptr(),
+        map_bytes=maps.stride(0) * maps.element_size(),
+        coupled_decay=bool(coupled_decay),
+    )
+    fields = array.array("q", bytes(8 * _LEAF_FIELDS * len(kinds)))
+    counts = array.array("q", kinds)
+    leaves = read(alloc(tensors), counts.buffer_info()[0], len(kinds), ctypes.byref(reading), fields.buffer_info()[0])
+    return None if leaves < 0 else (fields, leaves)
+
+
+def run_fields(fields: array.array, leaves: int, scalars: Sequence[float], config: tuple, bits: int) -> None:
+    """Runs the ``leaves`` that ``read_leaves`` wrote into ``fields``, with the step's scalars (as ``Leaves``)."""
+    if leaves:
+        _run_table(_shared_args(scalars, config, bits), fields, leaves)
 
 
 def available() -> bool:
