@@ -448,18 +448,23 @@ def fused_quantized_adam_step(
         grad_leaves, grad_spec = tree_flatten(grads)
         if grad_spec != spec:
             return None
+        coupled_decay = bool(weight_decay) and not decoupled
         tensors: list[torch.Tensor] = []
         kinds = []  # tensors per leaf: 8 with quantized moments, 4 with float32 ones
         for p, g, m, v in zip(
             param_leaves, grad_leaves, spec.flatten_up_to(adam_state.mu), spec.flatten_up_to(adam_state.nu)
         ):
-            leaf = (p, g, *m, *v) if type(m) is QuantizedArray and type(v) is QuantizedArray else (p, g, m, v)
+            quantized = type(m) is QuantizedArray and type(v) is QuantizedArray
+            leaf = (p, g, *m, *v) if quantized else (p, g, m, v)
             for t in leaf:
                 if type(t) not in PLAIN_TYPES or (grad_enabled and t.requires_grad):
                     return None
+            # what the C++ reading would refuse on every step, asked here before it costs the handles
+            if (coupled_decay and p.dtype == torch.bfloat16) or (quantized and bits == 4 and p.numel() % 2):
+                return None
             tensors += leaf
             kinds.append(len(leaf))
-        return native.read_leaves(tensors, kinds, bits, block_size, bool(weight_decay) and not decoupled)
+        return native.read_leaves(tensors, kinds, bits, block_size, coupled_decay)
 
     def _quantized_leaf(p, g, m, v, m_id, v_id, scalars_for, mode, leaves):
         # given `leaves`, the C++ kernel's leaf is only recorded there (its stored maps m_id, v_id); the caller runs
