@@ -41,14 +41,22 @@ def quantized_rows(values: torch.Tensor, bits: int, block: int, map_id: int):
     return q.codes.view(values.numel() // block, -1), q.absmax, q.map_id
 
 
-def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
+def run_both(
+    bits, config, special, to_out, dtype=torch.float32, m_map_id=None, row_scales=None, bias_corrections=(0.271, 0.0447)
+):
+    """Both kernels' results on one step; ``row_scales`` (one per row) scale the rows of m, and of the gradient up to
+    2**60 (so that its square stays finite)."""
     torch.manual_seed(bits + 7 * special)
     # rows over two and a half of the C++ kernel's 4096-element groups: its pipeline's every stage
     block, rows = (256, 37) if bits == 8 else (128, 75)
     n = rows * block
     p = torch.randn(n).to(dtype)
-    g = (torch.randn(n) * 10.0 ** torch.randint(-6, 2, (n,)).to(torch.float32)).to(dtype)  # over 8 decades
+    g = torch.randn(n) * 10.0 ** torch.randint(-6, 2, (n,)).to(torch.float32)  # over 8 decades
     m, v = torch.randn(n) * 1e-2, torch.rand(n) * 1e-4
+    if row_scales is not None:
+        m = m.view(rows, block).mul(row_scales[:, None]).view(n)
+        g = g.view(rows, block).mul(row_scales.clamp(max=2.0**60)[:, None]).view(n)
+    g = g.to(dtype)
     if special:
         g[5], g[300], g[301] = float("nan"), float("inf"), -float("inf")
         for t in (g, m, v):  # a zero block
@@ -61,7 +69,7 @@ def run_both(bits, config, special, to_out, dtype=torch.float32, m_map_id=None):
     m_codes, m_absmax, m_map = quantized_rows(m, bits, block, signed if m_map_id is None else m_map_id)
     v_codes, v_absmax, v_map = quantized_rows(v, bits, block, unsigned)
     tables = tables_on("cpu")
-    scalars = tuple(torch.tensor(x, dtype=torch.float32) for x in (1e-3, 0.271, 0.0447, 1 - 1e-3 * config[3]))
+    scalars = tuple(torch.tensor(x, dtype=torch.float32) for x in (1e-3, *bias_corrections, 1 - 1e-3 * config[3]))
     results = []
     for kernel in (_fused._rows_step_inplace, _native.step_rows):
         state = [t.clone() for t in (p.view(rows, block), m_codes, m_absmax, v_codes, v_absmax)]
@@ -96,6 +104,49 @@ def assert_kernels_equal(bits, config, special, to_out, dtype):
 @pytest.mark.parametrize(("bits", "config", "special", "to_out", "dtype"), CASES)
 def test_native_kernel_equals_the_eager_kernels(bits, config, special, to_out, dtype):
     assert_kernels_equal(bits, config, special, to_out, dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bias_corrections", [(0.271, 0.0447), (1.0, 1.0), (1e-6, 2.0**-20), (1e-30, 0.5), (0.0, 0.0)])
+@pytest.mark.parametrize("descending", [False, True])
+def test_native_kernel_divides_by_the_bias_corrections_as_the_eager_kernels(bits, bias_corrections, descending):
+    # The kernel divides m by bc1, and sqrt(v) by bc2_sqrt, through their reciprocals where that rounds as division
+    # does: corrections in [2**-20, 1] and rows whose m lie in [2**-100, 2**100] in magnitude. Here the rows' m span
+    # 2**-150 to 2**121, so that some rows lie outside (they divide). The updates are compared, not only the params:
+    # p + u rounds a tiny update's last bits away. The kernel's pipeline fuses the first rows (of a group with the next
+    # group's) and divides in the others, so the scales run both ways.
+    rows = 37 if bits == 8 else 75
+    row_scales = 2.0 ** torch.linspace(-143, 120, rows).round()
+    if descending:
+        row_scales = row_scales.flip(0)
+    eager, native = run_both(bits, CONFIGS[0], 0, 1, row_scales=row_scales, bias_corrections=bias_corrections)
+    for key in ("p", "out", "m_codes", "m_absmax", "v_codes", "v_absmax"):
+        torch.testing.assert_close(native[key], eager[key], rtol=0, atol=0, equal_nan=True, msg=key)
+
+
+def test_division_by_a_bias_correction_through_its_reciprocal_equals_division():
+    # The kernel's quotient(x, b) for b in [2**-20, 1] and x = 0 or |x| in [2**-100, 2**100];
+    # benchmarks/check_quotient_exhaustive.py compares every such x. Here: a million of them, the range's edges, and
+    # the bias corrections of common betas.
+    generator = torch.Generator().manual_seed(0)
+    least, most = (torch.tensor(2.0**e).view(torch.int32).item() for e in (-100, 100))
+    bits = torch.randint(least, most + 1, (1 << 20,), generator=generator).to(torch.int32)
+    edges = torch.tensor([least, least + 1, most - 1, most, 0, 0x3F800000], dtype=torch.int32)
+    x = torch.cat([bits, edges]).view(torch.float32)
+    x = torch.cat([x, -x])
+    corrections = [1 - b1**t for b1 in (0.9, 0.99, 0.999) for t in (1, 2, 3, 10, 1000)]
+    corrections += [(1 - 0.999**t) ** 0.5 for t in (1, 2, 3)] + [2.0**-20, 1.0, 0.99999994, 0.3]
+    fma = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    for b in corrections:
+        b = torch.tensor(b, dtype=torch.float32).item()
+        got = _native.quotient(x, b)
+        if not fma:  # the kernel divides
+            assert got is None
+            continue
+        want = x / torch.full_like(x, b)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (b, int((got != want).sum()))
+    for b in (2.0**-21, 1.5, 0.0, -0.5, float("nan")):  # where the kernel divides
+        assert _native.quotient(x, b) is None
 
 
 _OTHER_CAPABILITY_CHECK = """

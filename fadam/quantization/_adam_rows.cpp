@@ -158,6 +158,31 @@ inline float multiply_add(float a, float b, float c) {
 #endif
 }
 
+// x / b from b's reciprocal r = 1 / b (correctly rounded), as Markstein's division ends: the FMA gives the remainder
+// x - q * b of q = x * r exactly, and q + remainder * r rounds to the IEEE quotient. That holds where no step under-
+// or overflows: for b in [2^-20, 1] (Adam's bias corrections) and x = 0 or |x| in [2^-100, 2^100] (QuotientRange);
+// benchmarks/check_quotient_exhaustive.py compares every such x with division. The sign is x's, as division's: the
+// sum q + 0 would turn x = -0 into +0. A vector division costs several FMAs' time: dividing by the two bias
+// corrections this way saves 4-5% of the kernel (benchmarks/README.md).
+inline float quotient(float x, float b, float r) {
+  const float q = x * r;
+  return std::copysign(std::fma(std::fma(-q, b, x), r, q), x);
+}
+
+// Where quotient() equals division: the divisors and the magnitudes (as bits) of the dividends.
+struct QuotientRange {
+  static constexpr float kLeastDivisor = 0x1p-20f;
+  static constexpr int32_t kLeastBits = 0x0D800000;  // 2^-100
+  static constexpr int32_t kMostBits = 0x71800000;   // 2^100
+  // quotient() needs the FMA instruction: without it std::fma is a call into libm, slower than the division.
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  static constexpr bool kAvailable = true;
+#else
+  static constexpr bool kAvailable = false;
+#endif
+  static bool divisor(float b) { return kAvailable && b >= kLeastDivisor && b <= 1.0f; }
+};
+
 // torch.add(g, p, alpha) in p's dtype: with FMA, ATen's vectorized kernel rounds g + alpha * p once (then to p's
 // dtype); without (ATEN_CPU_CAPABILITY=default), its scalar kernel also rounds alpha * p to p's dtype first.
 template <typename P>
@@ -223,11 +248,12 @@ struct MomentRule {
         coefficient(small_weight ? a.b1_weight : a.b1_weight - 1.0f) {}
 };
 
-// New m and v of one element from its decoded moments, gradient and param into m_new, v_new, and their magnitude
-// bits into the row's running maxima m_top, v_top.
+// New m and v of one element from its decoded moments, gradient and param into m_new, v_new; their magnitude bits
+// into the row's running maxima m_top, v_top, and m's minus one into the running minimum m_floor (a zero wraps round
+// to the most, so that m_floor + 1 is the least nonzero magnitude).
 template <typename P, bool kCoupled>
 inline void next_moments(const MomentRule<P>& rule, float m, float v, float gradient, float param, float& m_new,
-                         float& v_new, int32_t& m_top, int32_t& v_top) {
+                         float& v_new, int32_t& m_top, int32_t& v_top, uint32_t& m_floor) {
   uint32_t bits;
   std::memcpy(&bits, &gradient, 4);
   float grad = from_bits(static_cast<int32_t>(bits ^ rule.gradient_sign));
@@ -236,59 +262,80 @@ inline void next_moments(const MomentRule<P>& rule, float m, float v, float grad
   v_new = multiply_add(rule.one_minus_b2 * grad, grad, v * rule.b2);  // addcmul(v * b2, g, g, value)
   m_top = std::max(m_top, magnitude_bits(m_new));
   v_top = std::max(v_top, magnitude_bits(v_new));
+  m_floor = std::min(m_floor, static_cast<uint32_t>(magnitude_bits(m_new)) - 1u);
 }
 
 // The param update's constants.
 template <typename P>
 struct UpdateRule {
-  float bc1, bc2_sqrt, eps, negative_lr, factor;
+  float bc1, bc2_sqrt, eps, negative_lr, factor, bc1_reciprocal, bc2_sqrt_reciprocal;
   explicit UpdateRule(const Args& a)
-      : bc1(a.bc1), bc2_sqrt(a.bc2_sqrt), eps(a.eps), negative_lr(-a.lr), factor(P::decay_factor(a)) {}
+      : bc1(a.bc1),
+        bc2_sqrt(a.bc2_sqrt),
+        eps(a.eps),
+        negative_lr(-a.lr),
+        factor(P::decay_factor(a)),
+        bc1_reciprocal(1.0f / a.bc1),
+        bc2_sqrt_reciprocal(1.0f / a.bc2_sqrt) {}
 };
 
-// _fused._update: ((m / bc1) / (sqrt(v) / bc2_sqrt + eps)).to(p.dtype) * -lr, minus (p - p * factor) (AdamW)
-template <typename P, bool kDecoupled>
+// _fused._update: ((m / bc1) / (sqrt(v) / bc2_sqrt + eps)).to(p.dtype) * -lr, minus (p - p * factor) (AdamW).
+// kByReciprocal: the divisions by bc1 and bc2_sqrt by quotient(), for m_new and root in QuotientRange.
+template <typename P, bool kDecoupled, bool kByReciprocal>
 inline float update_of(const UpdateRule<P>& rule, float m_new, float root, float param) {
-  float u = P::round(P::round((m_new / rule.bc1) / (root / rule.bc2_sqrt + rule.eps)) * rule.negative_lr);
+  const float m_hat = kByReciprocal ? quotient(m_new, rule.bc1, rule.bc1_reciprocal) : m_new / rule.bc1;
+  const float root_hat =
+      kByReciprocal ? quotient(root, rule.bc2_sqrt, rule.bc2_sqrt_reciprocal) : root / rule.bc2_sqrt;
+  float u = P::round(P::round(m_hat / (root_hat + rule.eps)) * rule.negative_lr);
   if (kDecoupled) u = P::round(u - P::round(param - P::round(param * rule.factor)));
   return u;
 }
 
 // What a row's loop writes: the new param p + u into p or, kToOut, the update u itself into out; in p's dtype.
-template <typename P, bool kDecoupled, bool kToOut>
+template <typename P, bool kDecoupled, bool kToOut, bool kByReciprocal = false>
 inline typename P::Storage result_of(const UpdateRule<P>& rule, float m_new, float root, float param) {
-  const float u = update_of<P, kDecoupled>(rule, m_new, root, param);
+  const float u = update_of<P, kDecoupled, kByReciprocal>(rule, m_new, root, param);
   return P::store(kToOut ? u : param + u);
 }
 
-// A row's absmax as bit patterns from the maxima of its moments' magnitude bits: those hold an inf or NaN only in
-// the rare row where a moment is not finite, which then takes the finite maximum over the row. True if finite.
-inline bool absmax_bits(int32_t m_top, int32_t v_top, const float* m, const float* v, int64_t n, int32_t* m_max,
-                        int32_t* v_max) {
-  *m_max = m_top < kInfinityBits ? m_top : finite_max_bits(m, n);
-  *v_max = v_top < kInfinityBits ? v_top : finite_max_bits(v, n);
+// What a row's moment loop finds: its absmax as bit patterns, and whether its new m all lie in QuotientRange.
+struct RowSummary {
+  int32_t m_max, v_max;
+  bool m_in_quotient_range;
+};
+
+// A row's summary from the running maxima and minimum of its moments' magnitude bits (next_moments): the maxima
+// hold an inf or NaN only in the rare row where a moment is not finite, which then takes the finite maximum over the
+// row. True if finite.
+inline bool summarize(int32_t m_top, int32_t v_top, uint32_t m_floor, const float* m, const float* v, int64_t n,
+                      RowSummary* summary) {
+  summary->m_max = m_top < kInfinityBits ? m_top : finite_max_bits(m, n);
+  summary->v_max = v_top < kInfinityBits ? v_top : finite_max_bits(v, n);
+  summary->m_in_quotient_range =
+      m_top <= QuotientRange::kMostBits && m_floor >= static_cast<uint32_t>(QuotientRange::kLeastBits) - 1u;
   return m_top < kInfinityBits && v_top < kInfinityBits;
 }
 
-// One row's moments (from codes widened to int32: see widen) into m_out, v_out, their absmax bits into m_max,
-// v_max; true if they are all finite.
+// One row's moments (from codes widened to int32: see widen) into m_out, v_out, what they hold into summary; true if
+// they are all finite.
 template <typename P, bool kCoupled>
 __attribute__((noinline, noclone)) bool moments_row(const Args& a, const typename P::Storage* __restrict p,
                                                     const typename P::Storage* __restrict g,
                                                     const int32_t* __restrict m_codes,
                                                     const int32_t* __restrict v_codes, float m_scale, float v_scale,
-                                                    float* __restrict m_out, float* __restrict v_out, int32_t* m_max,
-                                                    int32_t* v_max) {
+                                                    float* __restrict m_out, float* __restrict v_out,
+                                                    RowSummary* summary) {
   const float* __restrict m_map = a.m_map;
   const float* __restrict v_map = a.v_map;
   const MomentRule<P> rule(a);
   int32_t m_top = 0, v_top = 0;
+  uint32_t m_floor = UINT32_MAX;
   const int64_t n = a.block;
   for (int64_t i = 0; i < n; ++i) {
     next_moments<P, kCoupled>(rule, m_map[m_codes[i]] * m_scale, v_map[v_codes[i]] * v_scale, P::load(g[i]),
-                              kCoupled ? P::load(p[i]) : 0.0f, m_out[i], v_out[i], m_top, v_top);
+                              kCoupled ? P::load(p[i]) : 0.0f, m_out[i], v_out[i], m_top, v_top, m_floor);
   }
-  return absmax_bits(m_top, v_top, m_out, v_out, n, m_max, v_max);
+  return summarize(m_top, v_top, m_floor, m_out, v_out, n, summary);
 }
 
 // One row's param (or update, into out) and the codes of its new moments m, v for the reciprocals of their absmax.
@@ -311,31 +358,33 @@ __attribute__((noinline, noclone)) void finish_row(const Args& a, typename P::St
 // finish_row of one row and moments_row of another, in one loop, so that the first's divisions and the second's
 // table reads and memory streams overlap. The row's moments are all finite and the reciprocals of their absmax too,
 // so they need none of the encoder's clamps: |x| <= absmax, so x * (1 / absmax) lies in [-1, 1] (the product of
-// absmax and its rounded reciprocal rounds to at most 1).
-template <typename P, bool kCoupled, bool kDecoupled, bool kToOut>
+// absmax and its rounded reciprocal rounds to at most 1). kByReciprocal: the row's m lie in QuotientRange.
+template <typename P, bool kCoupled, bool kDecoupled, bool kToOut, bool kByReciprocal>
 __attribute__((noinline, noclone)) bool fused_row(
     const Args& a, typename P::Storage* __restrict p, typename P::Storage* __restrict out, const float* __restrict m,
     const float* __restrict v, const float* __restrict root, float m_inverse, float v_inverse,
     uint8_t* __restrict m_codes, uint8_t* __restrict v_codes, const typename P::Storage* __restrict next_p,
     const typename P::Storage* __restrict next_g, const int32_t* __restrict next_m_codes,
     const int32_t* __restrict next_v_codes, float next_m_scale, float next_v_scale, float* __restrict next_m,
-    float* __restrict next_v, int32_t* m_max, int32_t* v_max) {
+    float* __restrict next_v, RowSummary* summary) {
   const float* __restrict m_map = a.m_map;
   const float* __restrict v_map = a.v_map;
   const Grid m_grid = a.m_grid, v_grid = a.v_grid;
   const MomentRule<P> moment_rule(a);
   const UpdateRule<P> update_rule(a);
   int32_t m_top = 0, v_top = 0;
+  uint32_t m_floor = UINT32_MAX;
   const int64_t n = a.block;
   for (int64_t i = 0; i < n; ++i) {
-    (kToOut ? out : p)[i] = result_of<P, kDecoupled, kToOut>(update_rule, m[i], root[i], P::load(p[i]));
+    (kToOut ? out : p)[i] =
+        result_of<P, kDecoupled, kToOut, kByReciprocal>(update_rule, m[i], root[i], P::load(p[i]));
     m_codes[i] = static_cast<uint8_t>(encode(m[i] * m_inverse, m_grid));  // unit() without its clamps
     v_codes[i] = static_cast<uint8_t>(encode(v[i] * v_inverse, v_grid));
     next_moments<P, kCoupled>(moment_rule, m_map[next_m_codes[i]] * next_m_scale,
                               v_map[next_v_codes[i]] * next_v_scale, P::load(next_g[i]),
-                              kCoupled ? P::load(next_p[i]) : 0.0f, next_m[i], next_v[i], m_top, v_top);
+                              kCoupled ? P::load(next_p[i]) : 0.0f, next_m[i], next_v[i], m_top, v_top, m_floor);
   }
-  return absmax_bits(m_top, v_top, next_m, next_v, n, m_max, v_max);
+  return summarize(m_top, v_top, m_floor, next_m, next_v, n, summary);
 }
 
 // A full-precision leaf's elements [0, n): its float32 moments m and v updated in place, with the quantized rows'
@@ -346,9 +395,10 @@ __attribute__((noinline, noclone)) void full_moments(const Args& a, const typena
                                                      float* __restrict v, int64_t n) {
   const MomentRule<P> rule(a);
   int32_t m_top = 0, v_top = 0;  // no absmax: unread
+  uint32_t m_floor = 0;
   for (int64_t i = 0; i < n; ++i) {
     next_moments<P, kCoupled>(rule, m[i], v[i], P::load(g[i]), kCoupled ? P::load(p[i]) : 0.0f, m[i], v[i], m_top,
-                              v_top);
+                              v_top, m_floor);
   }
 }
 
@@ -388,12 +438,15 @@ constexpr int64_t kGroupElements = 4096;
 template <typename P>
 struct Kernels {
   bool (*moments)(const Args&, const typename P::Storage*, const typename P::Storage*, const int32_t*,
-                  const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
+                  const int32_t*, float, float, float*, float*, RowSummary*);
   void (*finish)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, const float*,
                  float, float, uint8_t*, uint8_t*);
-  bool (*fused)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, const float*,
-                float, float, uint8_t*, uint8_t*, const typename P::Storage*, const typename P::Storage*,
-                const int32_t*, const int32_t*, float, float, float*, float*, int32_t*, int32_t*);
+  using Fused = bool (*)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*,
+                         const float*, float, float, uint8_t*, uint8_t*, const typename P::Storage*,
+                         const typename P::Storage*, const int32_t*, const int32_t*, float, float, float*, float*,
+                         RowSummary*);
+  Fused fused;
+  Fused fused_by_reciprocals;  // for rows whose m lie in QuotientRange
   void (*full_moments)(const Args&, const typename P::Storage*, const typename P::Storage*, float*, float*, int64_t);
   void (*full_finish)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, int64_t);
 };
@@ -404,10 +457,21 @@ int64_t group_rows(int64_t block) { return std::max<int64_t>(1, kGroupElements /
 // A group's new moments, their square roots and absmax, between the two halves of its step.
 struct Group {
   std::vector<float> m, v, root, m_absmax, v_absmax;
-  std::vector<char> finite;
+  std::vector<char> finite, m_in_quotient_range;
   int64_t first = 0, count = 0;
   Group(int64_t elements, int64_t rows)
-      : m(elements), v(elements), root(elements), m_absmax(rows), v_absmax(rows), finite(rows) {}
+      : m(elements),
+        v(elements),
+        root(elements),
+        m_absmax(rows),
+        v_absmax(rows),
+        finite(rows),
+        m_in_quotient_range(rows) {}
+  void summarize(int64_t j, const RowSummary& summary) {
+    m_absmax[j] = from_bits(summary.m_max);
+    v_absmax[j] = from_bits(summary.v_max);
+    m_in_quotient_range[j] = summary.m_in_quotient_range;
+  }
 };
 
 // One thread's buffers, sized for the longest group and row of a call's Args and reused across them.
@@ -437,6 +501,8 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
   const auto length = [&](int64_t r) { return r == short_row ? a.last : block; };
   Group* current = &scratch.current;
   Group* next = &scratch.next;
+  // the roots (0 or sqrt of a finite v: in [2^-75, 2^64]) always lie in QuotientRange; the m of a row only mostly
+  const bool divisors_in_quotient_range = QuotientRange::divisor(a.bc1) && QuotientRange::divisor(a.bc2_sqrt);
   int32_t* m_index = scratch.m_index.data();
   int32_t* v_index = scratch.v_index.data();
   // the widened codes of row r, into m_index, v_index
@@ -455,11 +521,10 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
   const auto moments = [&](Group& to, int64_t j) {
     const int64_t r = to.first + j;
     load_codes(r);
-    int32_t m_max, v_max;
+    RowSummary summary;
     to.finite[j] = kernels.moments(row_args(r), params + r * block, grads + r * block, m_index, v_index, a.m_absmax[r],
-                                   a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block, &m_max, &v_max);
-    to.m_absmax[j] = from_bits(m_max);
-    to.v_absmax[j] = from_bits(v_max);
+                                   a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block, &summary);
+    to.summarize(j, summary);
   };
   const auto codes_out = [&](uint8_t* codes, uint8_t* unpacked, int64_t r) {
     return a.bits == 8 ? codes + r * code_width : unpacked;
@@ -480,12 +545,13 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     const int64_t s = to.first + j;
     if (j < to.count && from.finite[j] && m_inverse < INFINITY && v_inverse < INFINITY && s != short_row) {
       load_codes(s);
-      int32_t m_max, v_max;
-      to.finite[j] = kernels.fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
-                                   params + s * block, grads + s * block, m_index, v_index, a.m_absmax[s],
-                                   a.v_absmax[s], to.m.data() + j * block, to.v.data() + j * block, &m_max, &v_max);
-      to.m_absmax[j] = from_bits(m_max);
-      to.v_absmax[j] = from_bits(v_max);
+      RowSummary summary;
+      const auto fused = divisors_in_quotient_range && from.m_in_quotient_range[j] ? kernels.fused_by_reciprocals
+                                                                                   : kernels.fused;
+      to.finite[j] = fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
+                           params + s * block, grads + s * block, m_index, v_index, a.m_absmax[s], a.v_absmax[s],
+                           to.m.data() + j * block, to.v.data() + j * block, &summary);
+      to.summarize(j, summary);
     } else {
       // a row with an inf or NaN moment, the last group of a thread's rows of this leaf, or its ragged row
       kernels.finish(row_args(r), params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out);
@@ -552,7 +618,8 @@ void dispatch(const Args& a, int64_t begin, int64_t end, Scratch& scratch) {
       with_flag(a.out != nullptr, [&](auto to_out) {
         constexpr bool kDecoupled = decltype(decoupled)::value, kToOut = decltype(to_out)::value;
         kernels.finish = &finish_row<P, kDecoupled, kToOut>;
-        kernels.fused = &fused_row<P, kCoupled, kDecoupled, kToOut>;
+        kernels.fused = &fused_row<P, kCoupled, kDecoupled, kToOut, false>;
+        kernels.fused_by_reciprocals = &fused_row<P, kCoupled, kDecoupled, kToOut, true>;
         kernels.full_finish = &full_finish<P, kDecoupled, kToOut>;
       });
     });
@@ -798,6 +865,16 @@ extern "C" void fadam_quantized_encode(const float* y, int64_t n, const Grid* gr
   for (int64_t i = 0; i < n; ++i) {
     codes[i] = static_cast<int32_t>(encode(unit(y[i], 1.0f), *grid) & 0xFFu);
   }
+}
+
+// The kernel's division by a bias correction b through its reciprocal (quotient), on x[0, n) into out, where b lies
+// in QuotientRange; -1 where it does not (the kernel divides then), else 0: what the tests and
+// benchmarks/check_quotient_exhaustive.py compare with division.
+extern "C" int32_t fadam_quantized_quotient(const float* x, int64_t n, float b, float* out) {
+  if (!QuotientRange::divisor(b)) return -1;
+  const float r = 1.0f / b;
+  for (int64_t i = 0; i < n; ++i) out[i] = quotient(x[i], b, r);
+  return 0;
 }
 
 // Whether fadam_read_leaves can read tensors: torch exports the shim functions it calls.

@@ -139,6 +139,8 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_void_p,
     ]
     library.fadam_quantized_encode.restype = None
+    library.fadam_quantized_quotient.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+    library.fadam_quantized_quotient.restype = ctypes.c_int32
     library.fadam_reads_leaves.argtypes = []
     library.fadam_reads_leaves.restype = ctypes.c_int32
     return library
@@ -195,6 +197,18 @@ def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
     _, grid = _encoder(map_id)
     library.fadam_quantized_encode(y.data_ptr(), y.numel(), ctypes.byref(grid), codes.data_ptr())
     return codes
+
+
+def quotient(x: torch.Tensor, b: float) -> torch.Tensor | None:
+    """The kernel's division of float32 ``x`` by a bias correction ``b`` through its reciprocal, for comparison with
+    ``x / b`` (tests, benchmarks/check_quotient_exhaustive.py); ``None`` where the kernel divides by this ``b`` (it is
+    outside [2**-20, 1], or the CPU lacks FMA). Needs the library."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the quantized Adam CPU kernel did not build")
+    x = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    out = torch.empty_like(x)
+    return None if library.fadam_quantized_quotient(x.data_ptr(), x.numel(), b, out.data_ptr()) else out
 
 
 def _shared_args(scalars: Sequence[float | torch.Tensor], config: tuple, bits: int) -> _Args:
