@@ -29,7 +29,7 @@ def default_divisors() -> list[float]:
     chosen += [(1 - b2**t) ** 0.5 for b2 in (0.95, 0.99, 0.999) for t in (1, 2, 3, 10, 100)]
     rng = random.Random(1)
     chosen += [2.0 ** rng.uniform(-20, 0) for _ in range(8)]
-    chosen += [2.0**e * (2 - 2.0**-23) for e in (-21, -8, -4, -2, -1)]  # all-ones significands
+    chosen += [2.0**e * (2 - 2.0**-23) for e in (-20, -8, -4, -2, -1)]  # all-ones significands
     chosen += [2.0**-20, 1.0]
     return sorted({torch.tensor(b, dtype=torch.float32).item() for b in chosen})
 

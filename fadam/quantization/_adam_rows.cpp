@@ -14,8 +14,9 @@
 // (where the CPU has FMA), the square root is torch's own, and everything else rounds once per operation (built with
 // -ffp-contract=off). The loops are written for the compiler's vectorizer (noinline, noclone: a clone with a
 // constant argument lost it): selections are bit masks, not branches, the absmax is an integer maximum over bit
-// patterns and the encoder an integer comparison with them (non-negative floats order as their bits do); all keep
-// IEEE results.
+// patterns and the encoder an integer comparison with them (non-negative floats order as their bits do), and the
+// divisions by the bias corrections are multiplications by their reciprocals with an exact correction (quotient)
+// where that gives the quotient's rounding; all keep IEEE results.
 //
 // A donated step whose leaves all take this kernel is read here as well (fadam_read_leaves): the metadata of its
 // tensors, through torch's C shim, checked as _fused._plan and _native.Leaves check them from Python, where reading
