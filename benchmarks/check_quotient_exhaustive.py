@@ -20,6 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _sweep import signed_floats  # benchmarks/, the script's folder
+
 from fadam.quantization import _native
 
 
@@ -38,18 +40,14 @@ def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     divisors = [torch.tensor(float(b), dtype=torch.float32).item() for b in sys.argv[2:]] or default_divisors()
     least, most = (torch.tensor(2.0**e).view(torch.int32).item() for e in (-100, 100))
-    chunk = 1 << 24
     total_bad = 0
     for b in divisors:
         start, bad = time.perf_counter(), 0
-        for lo in range(least, most + 1, chunk):
-            bits = torch.arange(lo, min(lo + chunk, most + 1), dtype=torch.int32)
-            for sign in (0, -(1 << 31)):
-                x = (bits | sign).view(torch.float32)
-                got = _native.quotient(x, b)
-                if got is None:
-                    raise SystemExit(f"the kernel divides by b = {b!r}: outside [2**-20, 1], or no FMA on this CPU")
-                bad += int((got.view(torch.int32) != (x / torch.full_like(x, b)).view(torch.int32)).sum())
+        for x in signed_floats(least, most):
+            got = _native.quotient(x, b)
+            if got is None:
+                raise SystemExit(f"the kernel divides by b = {b!r}: outside [2**-20, 1], or no FMA on this CPU")
+            bad += int((got.view(torch.int32) != (x / torch.full_like(x, b)).view(torch.int32)).sum())
         total_bad += bad
         print(
             f"b = {b!r} ({b.hex()}): {2 * (most - least + 1)} values, {bad} mismatches "
