@@ -468,7 +468,7 @@ struct Group {
         v_absmax(rows),
         finite(rows),
         m_in_quotient_range(rows) {}
-  void summarize(int64_t j, const RowSummary& summary) {
+  void record(int64_t j, const RowSummary& summary) {
     m_absmax[j] = from_bits(summary.m_max);
     v_absmax[j] = from_bits(summary.v_max);
     m_in_quotient_range[j] = summary.m_in_quotient_range;
@@ -525,7 +525,7 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     RowSummary summary;
     to.finite[j] = kernels.moments(row_args(r), params + r * block, grads + r * block, m_index, v_index, a.m_absmax[r],
                                    a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block, &summary);
-    to.summarize(j, summary);
+    to.record(j, summary);
   };
   const auto codes_out = [&](uint8_t* codes, uint8_t* unpacked, int64_t r) {
     return a.bits == 8 ? codes + r * code_width : unpacked;
@@ -552,7 +552,7 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
       to.finite[j] = fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
                            params + s * block, grads + s * block, m_index, v_index, a.m_absmax[s], a.v_absmax[s],
                            to.m.data() + j * block, to.v.data() + j * block, &summary);
-      to.summarize(j, summary);
+      to.record(j, summary);
     } else {
       // a row with an inf or NaN moment, the last group of a thread's rows of this leaf, or its ragged row
       kernels.finish(row_args(r), params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out);
