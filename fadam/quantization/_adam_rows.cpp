@@ -395,7 +395,7 @@ __attribute__((noinline, noclone)) void full_moments(const Args& a, const typena
                                                      const typename P::Storage* __restrict g, float* __restrict m,
                                                      float* __restrict v, int64_t n) {
   const MomentRule<P> rule(a);
-  int32_t m_top = 0, v_top = 0;  // no absmax: unread
+  int32_t m_top = 0, v_top = 0;  // no absmax, no quotient range: unread
   uint32_t m_floor = 0;
   for (int64_t i = 0; i < n; ++i) {
     next_moments<P, kCoupled>(rule, m[i], v[i], P::load(g[i]), kCoupled ? P::load(p[i]) : 0.0f, m[i], v[i], m_top,
