@@ -41,6 +41,15 @@ ROWS: list[Row] = [
     Row("adamax", fadam.adamax, {"lr": 1e-2}, torch.optim.Adamax),
     Row("nadamw", fadam.nadamw, {"lr": 1e-2}, reference="equations"),
     Row("lion", fadam.lion, {"lr": 1e-2}, reference="equations"),
-    Row("lamb", fadam.lamb, {"lr": 3e-2, "weight_decay": 1e-4}, reference="equations"),
+    # LAMB's step has norm lr * ||p|| whatever the gradient (its trust ratio), so with a constant lr it circles the
+    # minimum instead of settling, and where it stands after 1000 steps depends on rounding; its paper decays the lr,
+    # and so does this row on the convergence problems
+    Row(
+        "lamb",
+        fadam.lamb,
+        {"lr": 3e-2, "weight_decay": 1e-4},
+        reference="equations",
+        converge_kwargs={"lr": fadam.cosine_decay_schedule(3e-2, 1000)},
+    ),
     Row("adafactor", fadam.adafactor, {"lr": 3e-2, "min_dim_size_to_factor": 2}, reference="equations"),
 ]

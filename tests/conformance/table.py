@@ -33,9 +33,11 @@ class Row:
     # False where FSDP2 (DTensor params) is not supported yet: state that is not elementwise in the param (factored
     # second moments, 4-bit codes packed two per byte, paged storage) is not created with the params' placements
     sharded: bool = True
+    # hyperparameters that replace some of ``kwargs`` on the convergence problems (test_converges)
+    converge_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def build(self) -> fadam.GradientTransformation:
-        return self.make(**self.kwargs)
+    def build(self, **overrides: Any) -> fadam.GradientTransformation:
+        return self.make(**{**self.kwargs, **overrides})
 
     def __str__(self) -> str:
         return self.name

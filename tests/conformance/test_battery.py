@@ -100,7 +100,7 @@ def test_converges(row, problem, dtype):
     """At most 1000 steps bring the loss below 1% of its start (rows with weight decay converge to a nearby point)."""
     f, gradient, x = PROBLEMS[problem](dtype)
     sign = _sign(row)
-    tx = row.build()
+    tx = row.build(**row.converge_kwargs)
     state = tx.init(x)
     start = float(f(x))
     for step in range(1, 1001):
