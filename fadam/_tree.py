@@ -7,7 +7,8 @@ same leaf by leaf.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -138,8 +139,66 @@ def _is_empty_node(x: Any) -> bool:
     return not spec.is_leaf() and spec.num_children == 0
 
 
+_MAPPING_KINDS = frozenset({optree.PyTreeKind.DICT, optree.PyTreeKind.ORDEREDDICT, optree.PyTreeKind.DEFAULTDICT})
+# dtypes whose tensors fadam can optimize: gradients, updates and params of any other dtype are refused
+_OPTIMIZABLE = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128}
+)
+
+
+def _node_name(spec: optree.PyTreeSpec) -> str:
+    if spec.is_leaf():
+        return "a leaf"
+    return f"a {spec.type.__name__} of {spec.num_children}"
+
+
+def first_difference(
+    spec: optree.PyTreeSpec, like: optree.PyTreeSpec, *, prefix: bool = False, path: tuple = ()
+) -> tuple[tuple, str, str] | None:
+    """The first node where ``spec`` and ``like`` differ, as ``(path, node in spec, node in like)``, or ``None``.
+
+    Mappings of different kinds (dict, OrderedDict, defaultdict) with the same keys match, child by key: a
+    ``module.state_dict()`` (an OrderedDict) and a dict of the same tensors are the same tree to fadam. With
+    ``prefix``, a leaf of ``spec`` matches any subtree of ``like``.
+    """
+    if spec.is_leaf() and (prefix or like.is_leaf()):
+        return None
+    if spec.is_leaf() or like.is_leaf():
+        return path, _node_name(spec), _node_name(like)
+    if spec.kind in _MAPPING_KINDS and like.kind in _MAPPING_KINDS:
+        children = dict(zip(spec.entries(), spec.children()))
+        for key, like_child in zip(like.entries(), like.children()):
+            if key not in children:
+                return (*path, key), "no entry", _node_name(like_child)
+            found = first_difference(children.pop(key), like_child, prefix=prefix, path=(*path, key))
+            if found is not None:
+                return found
+        if children:
+            key, child = next(iter(children.items()))
+            return (*path, key), _node_name(child), "no entry"
+        return None
+    if spec.type is not like.type or spec.num_children != like.num_children or spec.entries() != like.entries():
+        return path, _node_name(spec), _node_name(like)
+    for entry, child, like_child in zip(spec.entries(), spec.children(), like.children()):
+        found = first_difference(child, like_child, prefix=prefix, path=(*path, entry))
+        if found is not None:
+            return found
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _order_like(spec: optree.PyTreeSpec, like: optree.PyTreeSpec) -> tuple[int, ...] | None:
+    """For trees that differ only in their kinds of mapping: the index in ``spec``'s leaves of each of ``like``'s
+    leaves (dict flattens in sorted key order, OrderedDict in insertion order). ``None`` if they differ otherwise."""
+    if first_difference(spec, like) is not None:
+        return None
+    index = {path: i for i, path in enumerate(spec.paths())}
+    return tuple(index[path] for path in like.paths())
+
+
 def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> str:
-    """Names the first leaf path that one of ``tree`` and ``like`` has and the other lacks."""
+    """Names the first place where ``tree`` and ``like`` differ: a leaf path one has and the other lacks, or the
+    first node whose type differs. Short whatever the trees' size."""
     # empty nodes (MaskedNode() for a leaf that masked() left out) get a path too, so that their mismatch is named
     paths = optree.tree_paths(tree, is_leaf=_is_empty_node, none_is_leaf=True)
     like_paths = optree.tree_paths(like, is_leaf=_is_empty_node, none_is_leaf=True)
@@ -154,7 +213,11 @@ def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> 
     if problems:
         return f"{'; '.join(problems)} ({len(paths)} leaves vs {len(like_paths)})"
     spec, like_spec = optree.tree_structure(tree, none_is_leaf=True), optree.tree_structure(like, none_is_leaf=True)
-    return f"{what} has structure {spec} but {like_what} has {like_spec}"
+    found = first_difference(spec, like_spec)
+    if found is None:  # equal up to kinds of mapping, which callers accept
+        return f"{what} and {like_what} differ only in their kinds of mapping"
+    path, node, like_node = found
+    return f"at {path_str(path)}, {what} has {node} where {like_what} has {like_node}"
 
 
 def check_leaves(
@@ -162,20 +225,34 @@ def check_leaves(
 ) -> tuple[list[Any], list[Any], optree.PyTreeSpec]:
     """Flattens ``updates`` and ``like`` together, raising before any math if they cannot be used together.
 
-    Checks, naming the leaf's path: equal tree structure, every update a dense ``torch.Tensor`` or ``None``, and the
-    same shape and device as the corresponding leaf of ``like``. Returns both leaf lists and the tree spec.
+    Checks, naming the leaf's path: equal tree structure (mappings of different kinds with the same keys count as
+    equal: the leaves of ``updates`` are then returned in ``like``'s order, with ``like``'s spec), every update a dense
+    floating-point or complex ``torch.Tensor`` or ``None``, with the same shape and device as the corresponding leaf of
+    ``like``, which must be floating-point or complex too. Returns both leaf lists and the tree spec.
     """
+    leaves, like_leaves, spec, _ = _checked(updates, like, what, like_what)
+    return leaves, like_leaves, spec
+
+
+def _checked(
+    updates: PyTree, like: PyTree, what: str, like_what: str
+) -> tuple[list[Any], list[Any], optree.PyTreeSpec, bool]:
+    """``check_leaves``, also saying whether the leaves of ``updates`` were put in ``like``'s order."""
     leaves, spec = tree_flatten(updates)
     like_leaves, like_spec = tree_flatten(like)
-    if spec != like_spec:
-        raise ValueError(f"{what} do not match {like_what}: {describe_mismatch(updates, like, what, like_what)}")
+    reordered = spec != like_spec
+    if reordered:
+        order = _order_like(spec, like_spec)
+        if order is None:
+            raise ValueError(f"{what} do not match {like_what}: {describe_mismatch(updates, like, what, like_what)}")
+        leaves, spec = [leaves[i] for i in order], like_spec
     for index, (leaf, ref) in enumerate(zip(leaves, like_leaves)):
         if leaf is None:
             continue
         problem = _leaf_problem(leaf, ref, like_what)
         if problem:
             raise ValueError(f"{what} leaf at {path_str(spec.paths()[index])}: {problem}")
-    return leaves, like_leaves, spec
+    return leaves, like_leaves, spec, reordered
 
 
 def _leaf_problem(leaf: Any, ref: Any, like_what: str) -> str | None:
@@ -183,9 +260,54 @@ def _leaf_problem(leaf: Any, ref: Any, like_what: str) -> str | None:
         return f"expected a torch.Tensor or None, got {type(leaf).__name__}"
     if leaf.layout != torch.strided:
         return f"sparse or non-strided tensors ({leaf.layout}) are not supported; densify the gradient first"
+    if leaf.dtype not in _OPTIMIZABLE:
+        return f"dtype {leaf.dtype} is not supported: gradients and updates must be floating-point or complex"
     if isinstance(ref, torch.Tensor):
         if leaf.shape != ref.shape:
             return f"shape {tuple(leaf.shape)} does not match expected {tuple(ref.shape)} in {like_what}"
         if leaf.device != ref.device:
             return f"device {leaf.device} does not match expected {ref.device} in {like_what}"
+        if ref.dtype not in _OPTIMIZABLE:
+            return (
+                f"its leaf in {like_what} has dtype {ref.dtype}; only floating-point and complex params are optimized"
+            )
     return None
+
+
+def check_params(params: PyTree, what: str = "params") -> list[Any]:
+    """The leaves of ``params`` for an ``init``, raising naming the leaf's path unless each is a floating-point or
+    complex tensor or ``None`` (a generator, such as ``model.parameters()``, is refused: ``init`` could not read it
+    again, and the step needs the same tree)."""
+    if isinstance(params, Iterator):
+        raise TypeError(
+            f"{what} is a {type(params).__name__}, which can be read only once: pass a list "
+            "(list(model.parameters())) or a dict (dict(model.named_parameters()))"
+        )
+    leaves, spec = tree_flatten(params)
+    for index, leaf in enumerate(leaves):
+        if leaf is None:
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            problem = f"expected a torch.Tensor or None, got {type(leaf).__name__}"
+        elif leaf.dtype not in _OPTIMIZABLE:
+            problem = f"dtype {leaf.dtype} cannot be optimized; params must be floating-point or complex"
+        else:
+            continue
+        raise TypeError(f"{what} leaf at {path_str(spec.paths()[index])}: {problem}")
+    return leaves
+
+
+def match_params(updates: PyTree, params: PyTree) -> PyTree:
+    """``updates`` checked against ``params`` (``check_leaves``), laid out as ``params`` (when they differ only in
+    their kinds of mapping), each floating-point update cast to its param's dtype where that is wider: the step is
+    computed in at least the param's precision, as torch.optim computes in the param's dtype."""
+    leaves, param_leaves, spec, reordered = _checked(updates, params, "updates", "params")
+    cast = [
+        u
+        if u is None or u.dtype is p.dtype or not (u.is_floating_point() and p.is_floating_point())
+        else u.to(torch.promote_types(u.dtype, p.dtype))
+        for u, p in zip(leaves, param_leaves)
+    ]
+    if not reordered and all(new is old for new, old in zip(cast, leaves)):
+        return updates
+    return spec.unflatten(cast)

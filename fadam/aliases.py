@@ -23,9 +23,9 @@ from fadam.transforms._scaling import scale, scale_by_learning_rate
 from fadam.transforms._validation import known_value
 
 
-def _value(x: float | torch.Tensor) -> float:
+def _value(x: float | torch.Tensor, name: str) -> float:
     """A hyperparameter's value for the checks below; a tensor's inside torch.func transforms is unknown (taken 0)."""
-    return known_value(x, 0.0)
+    return known_value(x, 0.0, name)
 
 
 def _check_lr(lr: ScalarOrSchedule) -> None:
@@ -33,7 +33,7 @@ def _check_lr(lr: ScalarOrSchedule) -> None:
         return
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if not _value(lr) >= 0.0:
+    if not _value(lr, "lr") >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
@@ -53,12 +53,12 @@ def _check_adam_args(
     weight_decay: ScalarOrSchedule,
 ) -> None:
     _check_lr(lr)
-    if not _value(eps) >= 0.0:
+    if not _value(eps, "eps") >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
     for index, beta in enumerate(betas):
-        if not 0.0 <= _value(beta) < 1.0:
+        if not 0.0 <= _value(beta, f"betas[{index}]") < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    if not callable(weight_decay) and not _value(weight_decay) >= 0.0:
+    if not callable(weight_decay) and not _value(weight_decay, "weight_decay") >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
@@ -215,11 +215,11 @@ def sgd(
         [tensor([-0.1000])]
     """
     _check_lr(lr)
-    if not _value(momentum) >= 0.0:
+    if not _value(momentum, "momentum") >= 0.0:
         raise ValueError(f"Invalid momentum value: {momentum}")
-    if not callable(weight_decay) and not _value(weight_decay) >= 0.0:
+    if not callable(weight_decay) and not _value(weight_decay, "weight_decay") >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if nesterov and not (known_value(momentum, 1.0) > 0 and known_value(dampening, 0.0) == 0):
+    if nesterov and not (known_value(momentum, 1.0, "momentum") > 0 and known_value(dampening, 0.0, "dampening") == 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     transforms = [scale(-1.0)] if maximize else []
     if _has_decay(weight_decay):

@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from fadam._base import GradientTransformation
-from fadam._tree import PyTree, check_leaves
+from fadam._tree import PyTree, check_leaves, check_params, match_params
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies transforms in order; the state is the tuple of their states.
 
     Extra keyword arguments given to ``update`` reach every transform in the chain. The updates are checked against
-    the params (or, without params, for being dense tensors) before any transform runs, so bad input raises a
-    ``ValueError`` naming the leaf's path even when no member of the chain would check it.
+    the params (or, without params, for being dense floating-point tensors) before any transform runs, so bad input
+    raises a ``ValueError`` naming the leaf's path even when no member of the chain would check it. Given params, each
+    update is cast to its param's dtype where that is wider (float16 gradients of float32 params are computed in
+    float32, as torch.optim computes in the param's dtype) and laid out as the params (a dict and an OrderedDict with
+    the same keys are the same tree).
 
     Example:
         >>> import torch, fadam
@@ -26,6 +29,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             raise TypeError(f"chain argument {index} is a {type(tx).__name__}, expected a GradientTransformation")
 
     def init(params: PyTree) -> tuple[PyTree, ...]:
+        check_params(params)
         return tuple(tx.init(params) for tx in transforms)
 
     def update(
@@ -33,7 +37,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     ) -> tuple[PyTree, tuple[PyTree, ...]]:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transforms got a state that is not a tuple of that length")
-        check_leaves(updates, updates if params is None else params)
+        if params is None:
+            check_leaves(updates, updates)
+        else:
+            updates = match_params(updates, params)
         new_states = []
         for tx, tx_state in zip(transforms, state):
             updates, tx_state = tx.update(updates, tx_state, params, **extra_args)

@@ -13,6 +13,7 @@ from fadam._base import FusibleUpdate, GradientTransformation
 from fadam._dispatch import is_plain
 from fadam._numerics import safe_increment, zero_count
 from fadam._tree import PyTree
+from fadam.transforms._validation import check_state
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -218,6 +219,7 @@ def inject_hyperparams(
         def update(
             updates: PyTree, state: InjectHyperparamsState, params: PyTree | None = None, **extra_args: Any
         ) -> tuple[PyTree, InjectHyperparamsState]:
+            check_state(state, InjectHyperparamsState, "inject_hyperparams")
             inner, hyperparams = current(state)
             updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
             return updates, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)

@@ -9,7 +9,8 @@ import optree
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
+from fadam._tree import PyTree, check_leaves, first_difference, path_str, tree_flatten
+from fadam.transforms._validation import check_state
 
 
 class MaskedNode(NamedTuple):
@@ -29,11 +30,23 @@ def _full_tree(prefix_or_fn: PyTree | Callable[[PyTree], PyTree], tree: PyTree, 
     prefix = prefix_or_fn(tree) if callable(prefix_or_fn) else prefix_or_fn
     if torch.compiler.is_compiling():
         return _leaves_by_path(prefix, tree, what)
+    spec = optree.tree_structure(tree, none_is_leaf=True)
     try:
-        full = optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True)
-    except ValueError as err:
-        raise ValueError(f"{what} is not a prefix of the params tree: {err}") from None
-    return tree_flatten(full)[0]
+        full_leaves, full_spec = tree_flatten(optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True))
+    except ValueError:
+        found = first_difference(optree.tree_structure(prefix, none_is_leaf=True), spec, prefix=True)
+        if found is not None:
+            path, node, tree_node = found
+            raise ValueError(
+                f"{what} is not a prefix of the params tree: at {path_str(path)} it has {node} where the params have "
+                f"{tree_node}"
+            ) from None
+        full_spec = None
+    if full_spec != spec:
+        # the same tree up to kinds of mapping (a dict prefix of an OrderedDict of params): the broadcast took the
+        # prefix's mappings, whose leaves flatten in another order, so each leaf's value is looked up by its path
+        return _leaves_by_path(prefix, tree, what)
+    return full_leaves
 
 
 def _leaves_by_path(prefix: PyTree, tree: PyTree, what: str) -> list[Any]:
@@ -102,6 +115,7 @@ def _masked_by(inner: GradientTransformation, selection: Callable[[PyTree], list
     def update(
         updates: PyTree, state: MaskedState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, MaskedState]:
+        check_state(state, MaskedState, "masked")
         if params is not None:
             check_leaves(updates, params)  # before the mask is applied, so that errors name the params' paths
         selected = selection(params if params is not None else updates)
@@ -155,6 +169,7 @@ def partition(
     def update(
         updates: PyTree, state: PartitionState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, PartitionState]:
+        check_state(state, PartitionState, "partition")
         new_states = {}
         for label, tx in masked_transforms.items():
             updates, new_states[label] = tx.update(updates, state.inner_states[label], params, **extra_args)

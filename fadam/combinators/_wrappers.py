@@ -21,6 +21,7 @@ from fadam._dispatch import is_plain
 from fadam._numerics import safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_flatten, tree_leaves, tree_map
 from fadam.combinators._masking import masked, partition
+from fadam.transforms._validation import check_state
 
 __all__ = [
     "ApplyIfFiniteState",
@@ -133,6 +134,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     def update(
         updates: PyTree, state: ApplyIfFiniteState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, ApplyIfFiniteState]:
+        check_state(state, ApplyIfFiniteState, "apply_if_finite")
         finite, notfinite_count, total, apply = decide(updates, state)
         decided = _host_bool(apply)
         if decided is False:
@@ -295,6 +297,7 @@ class MultiSteps:
     def update(
         self, updates: PyTree, state: MultiStepsState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, MultiStepsState]:
+        check_state(state, MultiStepsState, "MultiSteps")
         grads, accs, spec = check_leaves(updates, state.acc_grads, like_what="the MultiSteps accumulator (params)")
         skip_state: PyTree = ()
         reject = None
@@ -433,6 +436,7 @@ def zero_nans() -> GradientTransformation:
     def update(
         updates: PyTree, state: ZeroNansState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ZeroNansState]:
+        check_state(state, ZeroNansState, "zero_nans")
         grads, spec = tree_flatten(updates)
         found = spec.flatten_up_to(state.found_nan)
         new_updates, new_found = [], []

@@ -20,8 +20,8 @@ from fadam._numerics import (
     safe_sqrt,
     zero_count,
 )
-from fadam._tree import PyTree, check_leaves, tree_map
-from fadam.transforms._validation import check_non_negative, check_unit_interval
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
+from fadam.transforms._validation import check_non_negative, check_state, check_unit_interval
 
 
 class ScaleByAdamState(NamedTuple):
@@ -98,6 +98,8 @@ def scale_by_adam(
     check_non_negative("eps_root", eps_root)
 
     def init(params: PyTree) -> ScaleByAdamState | ScaleByAmsgradState:
+        check_params(params)
+
         def zeros(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
             return torch.zeros_like(p, dtype=dtype_for(p, dtype), requires_grad=moment_requires_grad)
 
@@ -130,6 +132,7 @@ def scale_by_adam(
     def update(
         updates: PyTree, state: ScaleByAdamState | ScaleByAmsgradState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByAdamState | ScaleByAmsgradState]:
+        check_state(state, ScaleByAmsgradState if amsgrad else ScaleByAdamState, "scale_by_adam")
         grads, mus, spec = check_leaves(updates, state.mu, like_what="the Adam state (params)")
         nus = spec.flatten_up_to(state.nu)
         nu_maxes = spec.flatten_up_to(state.nu_max) if amsgrad else [None] * len(nus)

@@ -12,12 +12,13 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._numerics import bias_correction, for_leaf, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, tree_map
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._leafwise import map_moments
-from fadam.transforms._validation import check_non_negative, check_unit_interval
+from fadam.transforms._validation import check_non_negative, check_state, check_unit_interval
 
 
 def _zeros(params: PyTree) -> PyTree:
+    check_params(params)
     return tree_map(lambda p: None if p is None else torch.zeros_like(p), params)
 
 
@@ -74,6 +75,7 @@ def scale_by_nadam(
     def update(
         updates: PyTree, state: ScaleByNadamState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByNadamState]:
+        check_state(state, ScaleByNadamState, "scale_by_nadam")
         grads, mus, spec = check_leaves(updates, state.mu, like_what="the NAdam state (params)")
         nus = spec.flatten_up_to(state.nu)
         count = safe_increment(state.count)
@@ -151,6 +153,7 @@ def scale_by_radam(
     def update(
         updates: PyTree, state: ScaleByRadamState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByRadamState]:
+        check_state(state, ScaleByRadamState, "scale_by_radam")
         grads, mus, spec = check_leaves(updates, state.mu, like_what="the RAdam state (params)")
         nus = spec.flatten_up_to(state.nu)
         count = safe_increment(state.count)
@@ -215,6 +218,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     def update(
         updates: PyTree, state: ScaleByAdamaxState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByAdamaxState]:
+        check_state(state, ScaleByAdamaxState, "scale_by_adamax")
         grads, mus, spec = check_leaves(updates, state.mu, like_what="the Adamax state (params)")
         nus = spec.flatten_up_to(state.nu)
         count = safe_increment(state.count)

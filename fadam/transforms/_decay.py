@@ -12,7 +12,7 @@ from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves
 from fadam.combinators._masking import masked
 from fadam.transforms._scaling import ScaleByScheduleState
-from fadam.transforms._validation import check_non_negative
+from fadam.transforms._validation import check_non_negative, check_state
 
 
 def add_decayed_weights(
@@ -45,6 +45,7 @@ def add_decayed_weights(
     ) -> tuple[PyTree, ScaleByScheduleState | EmptyState]:
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        check_state(state, ScaleByScheduleState if schedule else EmptyState, "add_decayed_weights")
         grads, param_leaves, spec = check_leaves(updates, params)
         decay = weight_decay
         if schedule:
@@ -101,6 +102,7 @@ def add_decoupled_weight_decay(
     ) -> tuple[PyTree, ScaleByScheduleState | EmptyState]:
         if params is None:
             raise ValueError("add_decoupled_weight_decay needs params: call update(updates, state, params)")
+        check_state(state, ScaleByScheduleState if counted else EmptyState, "add_decoupled_weight_decay")
         grads, param_leaves, spec = check_leaves(updates, params)
         lr = lr_schedule(state.count) if lr_schedule else learning_rate
         decay = wd_schedule(state.count) if wd_schedule else weight_decay

@@ -9,8 +9,8 @@ import torch
 from fadam._base import GradientTransformation
 from fadam._dispatch import is_dtensor
 from fadam._numerics import for_leaf, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, tree_map
-from fadam.transforms._validation import check_non_negative
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
+from fadam.transforms._validation import check_non_negative, check_state
 
 
 class FactoredState(NamedTuple):
@@ -117,6 +117,8 @@ def scale_by_factored_rms(
     check_non_negative("epsilon", epsilon)
 
     def init(params: PyTree) -> FactoredState:
+        check_params(params)
+
         def leaf(p: torch.Tensor | None, part: str) -> torch.Tensor | None:
             if p is None:
                 return None
@@ -141,6 +143,7 @@ def scale_by_factored_rms(
     ) -> tuple[PyTree, FactoredState]:
         if params is None:
             raise ValueError("scale_by_factored_rms needs params: call update(updates, state, params)")
+        check_state(state, FactoredState, "scale_by_factored_rms")
         grads, _, spec = check_leaves(updates, params)
         v_rows, v_cols, vs = (spec.flatten_up_to(x) for x in (state.v_row, state.v_col, state.v))
         t = (state.count - step_offset).to(torch.float64) + 1.0

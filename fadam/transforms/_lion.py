@@ -8,9 +8,9 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._numerics import dtype_for, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, tree_map
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._leafwise import map_moments
-from fadam.transforms._validation import check_unit_interval
+from fadam.transforms._validation import check_state, check_unit_interval
 
 
 class ScaleByLionState(NamedTuple):
@@ -45,6 +45,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
     check_unit_interval("b2", b2)
 
     def init(params: PyTree) -> ScaleByLionState:
+        check_params(params)
         return ScaleByLionState(
             zero_count(),
             tree_map(lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, mu_dtype)), params),
@@ -53,6 +54,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
     def update(
         updates: PyTree, state: ScaleByLionState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByLionState]:
+        check_state(state, ScaleByLionState, "scale_by_lion")
         grads, mus, spec = check_leaves(updates, state.mu, like_what="the Lion state (params)")
 
         def leaf(g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -8,8 +8,8 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._numerics import dtype_for, for_leaf, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, tree_map
-from fadam.transforms._validation import check_non_negative, known_value
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
+from fadam.transforms._validation import check_non_negative, check_state, known_value
 
 
 class TraceState(NamedTuple):
@@ -53,17 +53,20 @@ def trace(
     """
     check_non_negative("momentum", decay)
     check_non_negative("dampening", dampening)
-    if nesterov and not (known_value(decay, 1.0) > 0 and known_value(dampening, 0.0) == 0):
+    if nesterov and not (known_value(decay, 1.0, "decay") > 0 and known_value(dampening, 0.0, "dampening") == 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-    undamped = known_value(dampening, 1.0) == 0
+    undamped = known_value(dampening, 1.0, "dampening") == 0
 
     def init(params: PyTree) -> TraceState:
+        check_params(params)
+
         def zeros(p: torch.Tensor) -> torch.Tensor:
             return torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype), requires_grad=moment_requires_grad)
 
         return TraceState(zero_count(), tree_map(zeros, params))
 
     def update(updates: PyTree, state: TraceState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, TraceState]:
+        check_state(state, TraceState, "trace")
         grads, traces, spec = check_leaves(updates, state.trace, like_what="the trace state (params)")
         first_step = state.count == 0
         new_updates, new_traces = [], []
@@ -118,6 +121,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
     check_non_negative("decay", decay)
 
     def init(params: PyTree) -> EmaState:
+        check_params(params)
         return EmaState(
             zero_count(),
             tree_map(
@@ -126,6 +130,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
         )
 
     def update(updates: PyTree, state: EmaState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmaState]:
+        check_state(state, EmaState, "ema")
         grads, emas, spec = check_leaves(updates, state.ema, like_what="the EMA state (params)")
         count = safe_increment(state.count)
         correction = 1 - torch.pow(decay, count.to(torch.float64)) if debias else None

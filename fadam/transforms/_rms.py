@@ -11,13 +11,14 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._tree import PyTree, check_leaves, tree_map
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._leafwise import map_moments
-from fadam.transforms._validation import check_non_negative
+from fadam.transforms._validation import check_non_negative, check_state
 
 
 def _full(params: PyTree, value: float) -> PyTree:
     # a complex leaf gets ``value`` in both its real and imaginary parts: its statistics are per component
+    check_params(params)
     return tree_map(
         lambda p: None if p is None else torch.full_like(p, complex(value, value) if p.is_complex() else value), params
     )
@@ -65,6 +66,7 @@ def scale_by_rms(
     def update(
         updates: PyTree, state: ScaleByRmsState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByRmsState]:
+        check_state(state, ScaleByRmsState, "scale_by_rms")
         grads, nus, spec = check_leaves(updates, state.nu, like_what="the RMS state (params)")
 
         def leaf(g: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -116,6 +118,7 @@ def scale_by_stddev(
     def update(
         updates: PyTree, state: ScaleByRStdDevState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByRStdDevState]:
+        check_state(state, ScaleByRStdDevState, "scale_by_stddev")
         grads, mus, spec = check_leaves(updates, state.mu, like_what="the stddev state (params)")
         nus = spec.flatten_up_to(state.nu)
 
@@ -169,6 +172,7 @@ def scale_by_rss(
     def update(
         updates: PyTree, state: ScaleByRssState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByRssState]:
+        check_state(state, ScaleByRssState, "scale_by_rss")
         grads, sums, spec = check_leaves(updates, state.sum_of_squares, like_what="the Adagrad state (params)")
 
         def leaf(g: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -9,7 +9,7 @@ import torch
 from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, stateless_with_tree_map
 from fadam._numerics import for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, tree_map
-from fadam.transforms._validation import check_non_negative
+from fadam.transforms._validation import check_non_negative, check_state
 
 
 def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
@@ -61,6 +61,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update(
         updates: PyTree, state: ScaleByScheduleState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByScheduleState]:
+        check_state(state, ScaleByScheduleState, "scale_by_schedule")
         return _scale_leaves(updates, step_size_fn(state.count)), ScaleByScheduleState(safe_increment(state.count))
 
     return GradientTransformation(init, update)
