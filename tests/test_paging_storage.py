@@ -218,3 +218,63 @@ def test_a_torn_latest_commit_falls_back_to_the_step_before(tmp_path, durable):
     ours, _ = tx.update(_grads(1), state, params)
     ref, _ = reference.update(_grads(1), ref_state, params)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+def test_an_init_that_raises_removes_its_temporary_file_and_keeps_the_old_one(tmp_path):
+    path = tmp_path / "s"
+    fadam.paged_adam(storage="disk", path=path).init(_params())
+    before = path.read_bytes()
+    calls = [0]
+
+    def init(params):
+        if params[0].device.type != "meta":  # not page_state's probe of the state's size
+            calls[0] += 1
+            if calls[0] == 3:  # the third chunk, after two were written to the temporary file
+                raise RuntimeError("init failed")
+        return fadam.adam().init(params)
+
+    failing = fadam.GradientTransformation(init, fadam.adam().update)
+    with pytest.raises(RuntimeError, match="init failed"):
+        fadam.page_state(failing, "disk", path, 4096, per_leaf=True).init(_params())
+    assert calls[0] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    assert path.read_bytes() == before
+
+
+def test_an_init_removes_the_temporary_files_of_killed_inits_not_of_live_ones(tmp_path):
+    path = tmp_path / "s"
+    code = f"""
+        import sys, time, fadam
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_paging_storage import _params
+
+        def init(params):  # blocks in the second chunk, with the temporary file half written
+            if params[0].numel() == 40 and params[0].device.type != "meta":
+                print("blocked", flush=True)
+                time.sleep(600)
+            return fadam.adam().init(params)
+
+        blocking = fadam.GradientTransformation(init, fadam.adam().update)
+        fadam.page_state(blocking, "disk", {str(path)!r}, 2048, per_leaf=True).init(_params())
+        """
+    killed, live = _run_child(code), _run_child(code)
+    watchdog = threading.Timer(60, lambda: (killed.kill(), live.kill()))  # never hang the suite
+    watchdog.start()
+    try:
+        for child in (killed, live):
+            line = child.stdout.readline()
+            assert line == "blocked\n", (line, child.stderr.read())
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait()
+        assert (tmp_path / f"s.tmp-{killed.pid}").exists()
+        (tmp_path / f"other.tmp-{killed.pid}").write_bytes(b"")  # another path's: not this init's to remove
+
+        fadam.paged_adam(storage="disk", path=path).init(_params())
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            ["s", f"s.tmp-{live.pid}", f"other.tmp-{killed.pid}"]
+        )
+    finally:
+        watchdog.cancel()
+        for child in (killed, live):
+            child.kill()
+            child.wait()

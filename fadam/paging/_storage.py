@@ -24,6 +24,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import secrets
 import struct
 import warnings
@@ -129,6 +130,32 @@ def _os_error(err: OSError, path: str, doing: str, nbytes: int | None = None) ->
     return type(err)(err.errno, message)
 
 
+def remove_stale_temporaries(path: str) -> None:
+    """Removes the ``<path>.tmp-<pid>`` files of creations whose process is gone (killed before it could clean up);
+    those of live processes are left alone."""
+    directory, name = os.path.split(path)
+    pattern = re.compile(re.escape(name) + r"\.tmp-(\d+)")
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return  # creating the file reports what is wrong with its directory
+    for entry in entries:
+        match = pattern.fullmatch(entry)
+        if match and not _alive(int(match[1])):
+            with suppress(FileNotFoundError):  # another process removed it first
+                os.unlink(os.path.join(directory, entry))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no pid can be: not ours to remove
+        pass
+    return True
+
+
 class StateFile:
     """A paged-state file: opened per use, mapped one chunk window at a time, so resident memory stays bounded."""
 
@@ -148,16 +175,15 @@ class StateFile:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as err:
             raise _os_error(err, path, "create the paged state file") from None
-        builder = _Builder(path, fd)
         try:
+            builder = _Builder(path, fd)
             yield builder
             builder.finish(durable)
             os.replace(tmp, path)
-        except BaseException:
+        finally:
             os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
+            with suppress(FileNotFoundError):  # gone once it replaced ``path``
+                os.unlink(tmp)
 
     @classmethod
     def open(cls, path: str, writable: bool = True) -> StateFile:

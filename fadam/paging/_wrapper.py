@@ -23,6 +23,7 @@ from fadam.paging._storage import (
     host_buffers,
     leaf_places,
     release_freed_memory,
+    remove_stale_temporaries,
     view_leaf,
 )
 
@@ -279,8 +280,9 @@ def page_state(
     ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
     optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
     killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
-    is reported as incomplete. ``durable=True`` also flushes to the disk before each commit (power-loss safety, at the
-    cost of writing the state to the disk every step).
+    is reported as incomplete. An ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that killed inits left
+    behind, where that process is gone. ``durable=True`` also flushes to the disk before each commit (power-loss
+    safety, at the cost of writing the state to the disk every step).
 
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
@@ -352,6 +354,8 @@ def page_state(
         file_path = given_path
         if storage == "disk" and file_path is None:
             file_path = _temporary_path()  # a new file per init: states of separate inits stay independent
+        if storage == "disk":
+            remove_stale_temporaries(file_path)
         layouts, placements, buffers, descriptions = [], [], [], []
 
         def build(write_chunk: Callable[[dict, list[Any], list[LeafPlace]], None] | None) -> None:
