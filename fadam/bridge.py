@@ -5,7 +5,7 @@ torch.optim's per-param dicts and fadam's functional state, so a run can switch 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
@@ -74,6 +74,44 @@ def _with_injected_lr(state: PyTree, lr: float) -> PyTree:
     return _map_states(state, replace)
 
 
+# --- params that must not be updated twice --------------------------------------------------------------------------
+
+
+def _memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """(device, first byte, end byte) of the memory ``t`` may touch; None when it has none (empty, meta, or a tensor
+    subclass without storage)."""
+    if t.numel() == 0 or t.is_meta:
+        return None
+    try:
+        start = t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if start == 0:
+        return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return str(t.device), start, start + extent * t.element_size()
+
+
+def _check_no_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Refuses two different params whose memory overlaps (views of one buffer): each would be updated on its own,
+    from its own gradient, and the shared elements would get both updates."""
+    spans = sorted((span, label, id(p)) for label, p in labelled if (span := _memory_span(p)) is not None)
+    reach: tuple[str, int, str, int] | None = None  # device, furthest end byte so far, whose it is, its id
+    for (device, start, end), label, ident in spans:
+        if reach is not None and reach[0] == device and start < reach[1] and ident != reach[3]:
+            raise ValueError(
+                f"{reach[2]} and {label} overlap in memory (views of one buffer) and would each be updated on their "
+                "own; optimize the buffer they share, or give them separate storage"
+            )
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, label, ident)
+
+
+def _labelled(params: Sequence[Any], names: Sequence[Any] | None) -> list[tuple[str, Any]]:
+    """Each param with its path in the group's pytree: its name, or its position."""
+    return [(path_str((names[i] if names is not None else i,)), p) for i, p in enumerate(params)]
+
+
 class Optimizer(torch.optim.Optimizer):
     r"""A ``torch.optim.Optimizer`` that runs a fadam transform: for module-based training loops.
 
@@ -81,6 +119,10 @@ class Optimizer(torch.optim.Optimizer):
     the keys of the pytree the transform sees, so masks and ``partition`` labels can use them) or a list of param-group
     dicts, each of which may carry its own ``tx`` and ``lr``. ``step`` updates the params in place, as torch.optim
     does (through ``fadam.step(..., donate=True)``, so the aliases with a fused torch kernel run it).
+
+    A param listed twice is refused (torch.optim only warns, and its for-loop, foreach and fused Adam then give three
+    different results), and so are two different params whose memory overlaps (views of one buffer, which would
+    each be updated on their own). Tied weights are one Parameter: ``model.parameters()`` lists them once.
 
     ``param_groups[i]["lr"]`` drives the step, so every ``torch.optim.lr_scheduler`` works. How it reaches the
     transform depends on what ``tx`` is:
@@ -128,13 +170,40 @@ class Optimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         return dict(zip(names, leaves)) if names is not None else list(leaves)
 
+    def _check_params(self, entries: Sequence[Any]) -> None:
+        """Refuses a new group's duplicate names, duplicate params and params overlapping any param in memory."""
+        index = len(self.param_groups)
+        named = [isinstance(e, tuple) for e in entries]
+        names = [e[0] for e in entries] if entries and all(named) else None
+        mine = _labelled([e[1] if is_named else e for e, is_named in zip(entries, named)], names)
+        mine = [(label, p) for label, p in mine if isinstance(p, torch.Tensor)]  # torch.optim refuses the others
+        if names is not None and len(set(names)) != len(names):
+            raise ValueError(f"param group {index}: param names in a group must be unique, got {names}")
+        first: dict[int, str] = {}
+        for label, p in mine:
+            if id(p) in first:
+                raise ValueError(
+                    f"param group {index}: {first[id(p)]} and {label} are the same tensor; list each param once "
+                    "(torch.optim warns, and its for-loop, foreach and fused implementations step such a param "
+                    "differently)"
+                )
+            first[id(p)] = label
+        _check_no_overlap(
+            [
+                (f"param group {i} {label}", p)
+                for i, group in enumerate(self.param_groups)
+                for label, p in _labelled(group["params"], group.get("param_names"))
+            ]
+            + [(f"param group {index} {label}", p) for label, p in mine]
+        )
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        if not isinstance(params, set):  # torch.optim refuses a set
+            param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
+            self._check_params(params)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        names = group.get("param_names")
-        if names is not None and len(set(names)) != len(names):
-            del self.param_groups[-1]
-            raise ValueError(f"param names in a group must be unique, got {names}")
         spec = group.pop("tx")
         params = self._tree(group, [p.detach() for p in group["params"]])
         if isinstance(spec, GradientTransformation):

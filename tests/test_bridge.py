@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -226,6 +227,41 @@ def test_bad_arguments_raise():
         fadam.Optimizer(model.parameters(), 0.1)
     with pytest.raises(ValueError, match="lr 0 cannot be the base"):
         fadam.Optimizer(model.parameters(), fadam.sgd(lr=0.1), lr=0.0)
+
+
+# --- params that would be updated twice ----------------------------------------------------------------------------
+
+
+def test_a_param_listed_twice_is_refused_before_torch_warns():
+    w = torch.nn.Parameter(torch.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch.optim's duplicate-param warning would raise here
+        with pytest.raises(ValueError, match=r"param group 0: \[0\] and \[2\] are the same tensor"):
+            fadam.Optimizer([w, torch.nn.Parameter(torch.ones(2)), w], fadam.adam, lr=0.1)
+        with pytest.raises(ValueError, match=r"param group 0: \['a'\] and \['b'\] are the same tensor"):
+            fadam.Optimizer([("a", w), ("b", w)], fadam.adam, lr=0.1)
+    opt = fadam.Optimizer([torch.nn.Parameter(torch.ones(2))], fadam.adam, lr=0.1)
+    with pytest.raises(ValueError, match=r"param group 1: \[0\] and \[1\] are the same tensor"):
+        opt.add_param_group({"params": [w, w]})
+    assert len(opt.param_groups) == 1 and len(opt.tx_states) == 1
+
+
+def test_params_overlapping_in_memory_are_refused_naming_both_and_disjoint_views_step():
+    buffer = torch.zeros(10)
+    head, tail = torch.nn.Parameter(buffer[:6]), torch.nn.Parameter(buffer[4:])
+    with pytest.raises(ValueError, match=r"param group 0 \[0\] and param group 0 \[1\] overlap in memory"):
+        fadam.Optimizer([head, tail], fadam.sgd, lr=0.1)
+    rows = torch.zeros(4, 3)
+    opt = fadam.Optimizer([torch.nn.Parameter(rows[:2])], fadam.sgd, lr=0.1)
+    with pytest.raises(ValueError, match=r"param group 0 \[0\] and param group 1 \['col'\] overlap in memory"):
+        opt.add_param_group({"params": [("col", torch.nn.Parameter(rows[:, 1]))]})
+    assert len(opt.param_groups) == 1 and len(opt.tx_states) == 1
+    # views that do not overlap are separate params
+    head, tail = torch.nn.Parameter(buffer[:4]), torch.nn.Parameter(buffer[4:])
+    opt = fadam.Optimizer([head, tail], fadam.sgd, lr=0.5)
+    head.grad, tail.grad = torch.ones(4), torch.full((6,), 2.0)
+    opt.step()
+    assert torch.equal(buffer, torch.tensor([-0.5] * 4 + [-1.0] * 6))
 
 
 # --- GradScaler ----------------------------------------------------------------------------------------------------
