@@ -6,13 +6,14 @@ torch.optim's per-param dicts and fadam's functional state, so a run can switch 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
 from fadam._base import GradientTransformation, step
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
+from fadam.quantization import QuantizedArray
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
 from fadam.transforms._adam_variants import ScaleByAdamaxState, ScaleByNadamState, ScaleByRadamState
 from fadam.transforms._momentum import TraceState
@@ -23,6 +24,8 @@ __all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
 
 _LR_KEYS = ("learning_rate", "lr")
+# the optree namespace in which this module flattens dicts in insertion order: the order params were given in
+_GIVEN_ORDER = "fadam.bridge"
 
 
 def _lr_value(lr: float | torch.Tensor) -> float:
@@ -72,6 +75,78 @@ def _with_injected_lr(state: PyTree, lr: float) -> PyTree:
         return node._replace(hyperparams={**hyperparams, key: value})
 
     return _map_states(state, replace)
+
+
+# --- where each leaf of a functional state belongs ------------------------------------------------------------------
+
+
+def _given_order(tree: PyTree) -> list[int]:
+    """For each leaf of ``tree`` in optree's order, its position in the order the tree was built: optree flattens
+    dicts with their keys sorted ("10.weight" before "2.weight"), the params were given in insertion order."""
+    with optree.dict_insertion_ordered(True, namespace=_GIVEN_ORDER):
+        given = optree.tree_paths(tree, none_is_leaf=True, namespace=_GIVEN_ORDER)
+    position = {path: i for i, path in enumerate(given)}
+    return [position[path] for path in optree.tree_paths(tree, none_is_leaf=True)]
+
+
+class _Slot(NamedTuple):
+    """Where one leaf of a functional state sits relative to the params."""
+
+    param: int | None  # the params-tree leaf whose state it is; None for a leaf shared by all params (a count)
+    key: str  # its path in the state without the param's own part: the same for every param
+    owner: type | None  # the state type whose field holds it (for a param's leaf: the param-shaped field)
+    field: str | None  # that field's name
+    whole: bool  # the leaf is the param's whole entry in that field, not a part of a quantized one
+
+
+def _is_entry(part: Any) -> bool:
+    """Whether ``part`` can be one param's entry in a field shaped like the params: a tensor, a quantized tensor or
+    nothing (so that a chain's tuple of states is not taken for a field when the params are a tuple as long)."""
+    if part is None or isinstance(part, (torch.Tensor, QuantizedArray)):
+        return True
+    return optree.tree_structure(part, none_is_leaf=True).num_leaves == 0
+
+
+def _per_param(node: Any, params_spec: optree.PyTreeSpec) -> list[Any] | None:
+    """``node``'s entry for each param when it is shaped like the params (a moment, a trace), else None."""
+    if optree.tree_is_leaf(node, none_is_leaf=True):
+        return None
+    try:
+        parts = params_spec.flatten_up_to(node)
+    except ValueError:
+        return None
+    return parts if all(_is_entry(part) for part in parts) else None
+
+
+def _slots(state: PyTree, params_spec: optree.PyTreeSpec) -> list[_Slot]:
+    """A ``_Slot`` for each leaf of ``state`` (flattened with None as a leaf), in order."""
+    owners: list[tuple[int | None, int]] = []  # (param, depth of the param-shaped node holding the leaf)
+
+    def walk(node: Any, depth: int) -> None:
+        parts = _per_param(node, params_spec)
+        if parts is not None:
+            for index, part in enumerate(parts):
+                owners.extend([(index, depth)] * optree.tree_structure(part, none_is_leaf=True).num_leaves)
+        elif optree.tree_is_leaf(node, none_is_leaf=True):
+            owners.append((None, depth))
+        else:
+            for child in optree.tree_flatten_one_level(node, none_is_leaf=True)[0]:
+                walk(child, depth + 1)
+
+    walk(state, 0)
+    param_depths = [len(accessor) for accessor in params_spec.accessors()]
+    slots = []
+    for accessor, (param, depth) in zip(optree.tree_accessors(state, none_is_leaf=True), owners):
+        entries = tuple(accessor)
+        if param is None:  # a shared leaf: keyed by its whole path, held by its parent node
+            key, holder, whole = entries, entries[-1:], False
+        else:  # the param's own part of the path is cut out; the node holding the param-shaped field is above it
+            end = depth + param_depths[param]
+            key, holder, whole = entries[:depth] + entries[end:], entries[depth - 1 : depth], len(entries) == end
+        field = getattr(holder[0], "field", None) if holder else None  # NamedTuple entries have one
+        owner = holder[0].type if field is not None else None
+        slots.append(_Slot(param, optree.PyTreeAccessor(key).codify("state"), owner, field, whole))
+    return slots
 
 
 # --- params that must not be updated twice --------------------------------------------------------------------------
@@ -328,32 +403,88 @@ class Optimizer(torch.optim.Optimizer):
 
 # --- torch.optim state import / export ------------------------------------------------------------------------------
 
-# fadam state type -> (fadam field, torch.optim per-param state key) for fields shaped like the params
-_MOMENTS: dict[type, tuple[tuple[str, str], ...]] = {
-    ScaleByAdamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
-    ScaleByAmsgradState: (("mu", "exp_avg"), ("nu", "exp_avg_sq"), ("nu_max", "max_exp_avg_sq")),
-    ScaleByNadamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
-    ScaleByRadamState: (("mu", "exp_avg"), ("nu", "exp_avg_sq")),
-    ScaleByAdamaxState: (("mu", "exp_avg"), ("nu", "exp_inf")),
-    ScaleByRmsState: (("nu", "square_avg"),),
-    ScaleByRStdDevState: (("mu", "grad_avg"), ("nu", "square_avg")),
-    ScaleByRssState: (("sum_of_squares", "sum"),),
-    TraceState: (("trace", "momentum_buffer"),),
+# (fadam state type, field shaped like the params) -> torch.optim's per-param state key
+_MOMENTS: dict[tuple[type, str], str] = {
+    (ScaleByAdamState, "mu"): "exp_avg",
+    (ScaleByAdamState, "nu"): "exp_avg_sq",
+    (ScaleByAmsgradState, "mu"): "exp_avg",
+    (ScaleByAmsgradState, "nu"): "exp_avg_sq",
+    (ScaleByAmsgradState, "nu_max"): "max_exp_avg_sq",
+    (ScaleByNadamState, "mu"): "exp_avg",
+    (ScaleByNadamState, "nu"): "exp_avg_sq",
+    (ScaleByRadamState, "mu"): "exp_avg",
+    (ScaleByRadamState, "nu"): "exp_avg_sq",
+    (ScaleByAdamaxState, "mu"): "exp_avg",
+    (ScaleByAdamaxState, "nu"): "exp_inf",
+    (ScaleByRmsState, "nu"): "square_avg",
+    (ScaleByRStdDevState, "mu"): "grad_avg",
+    (ScaleByRStdDevState, "nu"): "square_avg",
+    (ScaleByRssState, "sum_of_squares"): "sum",
+    (TraceState, "trace"): "momentum_buffer",
 }
 # scalar fields kept once in fadam and per param in torch.optim
-_SCALARS: dict[type, tuple[tuple[str, str], ...]] = {ScaleByNadamState: (("mu_product", "mu_product"),)}
+_SCALARS: dict[tuple[type, str], str] = {(ScaleByNadamState, "mu_product"): "mu_product"}
+# the fadam states whose torch.optim optimizer keeps a per-param ``step`` (all but SGD's momentum)
+_STEPPED = frozenset(owner for owner, _ in _MOMENTS) - {TraceState}
+# torch.optim optimizer -> the per-param keys it keeps once stepped, and those a group option adds
+_TORCH_KEYS: tuple[tuple[type[torch.optim.Optimizer], frozenset[str], dict[str, str]], ...] = (
+    (torch.optim.SGD, frozenset(), {"momentum": "momentum_buffer"}),
+    (torch.optim.Adam, frozenset({"step", "exp_avg", "exp_avg_sq"}), {"amsgrad": "max_exp_avg_sq"}),  # and AdamW
+    (torch.optim.NAdam, frozenset({"step", "mu_product", "exp_avg", "exp_avg_sq"}), {}),
+    (torch.optim.RAdam, frozenset({"step", "exp_avg", "exp_avg_sq"}), {}),
+    (torch.optim.Adamax, frozenset({"step", "exp_avg", "exp_inf"}), {}),
+    (torch.optim.RMSprop, frozenset({"step", "square_avg"}), {"momentum": "momentum_buffer", "centered": "grad_avg"}),
+    (torch.optim.Adagrad, frozenset({"step", "sum"}), {}),
+)
+
+
+def _param_leaves(params: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    leaves, spec = tree_flatten(params)
+    if spec.is_leaf():
+        raise ValueError("params must be a container of tensors (a list, a dict), not a single tensor: pass [param]")
+    return leaves, spec
+
+
+def _torch_entries(leaves: list[Any], slots: list[_Slot], paths: list[str]) -> tuple[list[dict[str, int]], list[bool]]:
+    """For each param: the torch.optim keys its fadam state maps to (key -> index of the state leaf holding it), and
+    whether torch.optim keeps a ``step`` for it. Raises for a param's state that has no torch.optim counterpart."""
+    entries: list[dict[str, int]] = [{} for _ in paths]
+    owners: list[set[type]] = [set() for _ in paths]
+    for index, (leaf, slot) in enumerate(zip(leaves, slots)):
+        if slot.param is None or leaf is None:
+            continue
+        key = _MOMENTS.get((slot.owner, slot.field))  # type: ignore[arg-type]
+        where = f"param {paths[slot.param]}: fadam's {slot.key}"
+        field = f"{slot.owner.__name__}.{slot.field}" if slot.owner is not None else "a container"
+        if key is None:
+            raise ValueError(f"{where} ({field}) has no torch.optim counterpart")
+        if not slot.whole:
+            raise ValueError(f"{where} is part of a quantized {field}; only full-precision state converts")
+        entries[slot.param][key] = index
+        owners[slot.param].add(slot.owner)  # type: ignore[arg-type]
+    for index, slot in enumerate(slots):
+        key = _SCALARS.get((slot.owner, slot.field)) if slot.param is None else None  # type: ignore[arg-type]
+        for param, types in enumerate(owners):
+            if key is not None and slot.owner in types:
+                entries[param][key] = index
+    return entries, [bool(types & _STEPPED) for types in owners]
 
 
 def _torch_param_states(source: torch.optim.Optimizer | dict[str, Any], params: PyTree) -> list[dict[str, Any]]:
     """torch.optim's per-param state for each leaf of ``params``: matched by identity to an optimizer's params, by
-    name when the optimizer was given named params and ``params`` is a dict of them, by order otherwise."""
+    name when the optimizer was given named params and ``params`` is a dict of them, by order otherwise (dicts in
+    insertion order)."""
     leaves, spec = tree_flatten(params)
+    if isinstance(source, Optimizer):
+        raise TypeError("a fadam.Optimizer keeps its state in tx_states; state_from_torch reads torch.optim's")
     if isinstance(source, torch.optim.Optimizer):
         opt_params = [p for g in source.param_groups for p in g["params"]]
         by_id = {id(p): p for p in opt_params}
         if all(id(p) in by_id for p in leaves):
             return [source.state.get(p, {}) for p in leaves]
         source = source.state_dict()
+    if any("tx_state" in g for g in source["param_groups"]):
+        raise ValueError("this is a fadam.Optimizer state_dict: load it with fadam.Optimizer.load_state_dict")
     indices = [i for g in source["param_groups"] for i in g["params"]]
     names = [n for g in source["param_groups"] for n in g.get("param_names", ())]
     keys = [path[0] if len(path) == 1 else None for path in spec.paths()]
@@ -362,7 +493,7 @@ def _torch_param_states(source: torch.optim.Optimizer | dict[str, Any], params: 
         return [source["state"].get(by_name[k], {}) for k in keys]
     if len(indices) != len(leaves):
         raise ValueError(f"the torch optimizer has {len(indices)} params but params has {len(leaves)} leaves")
-    return [source["state"].get(i, {}) for i in indices]
+    return [source["state"].get(indices[i], {}) for i in _given_order(params)]
 
 
 def _common_step(per_param: list[dict[str, Any]], paths: list[str]) -> int | None:
@@ -377,6 +508,48 @@ def _common_step(per_param: list[dict[str, Any]], paths: list[str]) -> int | Non
             "would use wrong bias corrections for some of them, so it refuses to convert this state"
         )
     return next(iter(steps.values()))
+
+
+def _torch_value(value: Any, old: torch.Tensor, where: str) -> torch.Tensor:
+    value = torch.as_tensor(value)
+    if value.shape != old.shape:
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(old.shape)}")
+    return value.detach().to(dtype=old.dtype, device=old.device, copy=True)
+
+
+def _convert_from_torch(
+    per_param: list[dict[str, Any]], tx: GradientTransformation, params: PyTree, count: int | None
+) -> PyTree:
+    """``tx``'s state for ``params`` holding ``per_param`` (torch.optim's state of each params leaf, in order)."""
+    _, spec = tree_flatten(params)
+    paths = [path_str(p) for p in spec.paths()]
+    state = tx.init(params)
+    leaves, state_spec = tree_flatten(state)
+    slots = _slots(state, spec)
+    found = [{key for key, value in s.items() if value is not None} for s in per_param]
+    new_leaves = list(leaves)
+    stepped = any(found)  # torch.optim's state is empty until a param's first step: that converts to a fresh state
+    if stepped:
+        entries, keeps_step = _torch_entries(leaves, slots, paths)
+        for path, keys, has_step, got in zip(paths, entries, keeps_step, found):
+            expected = set(keys) | ({"step"} if has_step else set())
+            if got != expected:
+                raise ValueError(
+                    f"cannot convert torch.optim state of param {path}: expected keys {sorted(expected)}, "
+                    f"found {sorted(got)}"
+                )
+        for param, keys in enumerate(entries):
+            for key, index in keys.items():
+                where = f"torch state {key!r} of {paths[param]}"
+                new_leaves[index] = _torch_value(per_param[param][key], leaves[index], where)
+    if count is None:
+        count = _common_step(per_param, paths)
+    if count is None:
+        count = 1 if stepped else 0  # SGD keeps no step: a momentum buffer exists from the first step on
+    for index, (leaf, slot) in enumerate(zip(leaves, slots)):
+        if slot.param is None and slot.field == "count" and leaf is not None:
+            new_leaves[index] = torch.tensor(count, dtype=leaf.dtype, device=leaf.device)
+    return state_spec.unflatten(new_leaves)
 
 
 def state_from_torch(
@@ -395,11 +568,18 @@ def state_from_torch(
     momentum buffer exists (pass ``count`` to set it, e.g. for a learning-rate schedule). Hyperparameters are not
     read: build ``tx`` with the same ones.
 
+    Every param's torch state must hold exactly the keys ``tx``'s state maps to (``step``, ``exp_avg`` and
+    ``exp_avg_sq`` for ``fadam.adam``; ``momentum_buffer`` for ``fadam.sgd`` with momentum, nothing without), or the
+    conversion is refused naming the param and both sets of keys: another optimizer's state, or a bitsandbytes
+    8-bit one. So is ``tx`` state that has no torch.optim counterpart (Lion's, an EMA, quantized moments). A torch
+    optimizer that has not stepped yet holds no state: that converts to ``tx.init(params)``.
+
     Args:
         source: a torch.optim optimizer or its ``state_dict()``.
         tx: the fadam transform that continues the run.
-        params: the params, as the pytree ``tx`` sees, in the optimizer's order (matched by identity when they are
-            the optimizer's own tensors).
+        params: the params, as the pytree ``tx`` sees (a list or dict, dicts in insertion order), in the optimizer's
+            order (matched by identity when they are the optimizer's own tensors, by name when ``source`` is a
+            ``state_dict`` with ``param_names`` and ``params`` a dict of those names).
         count: overrides the step count.
 
     Example:
@@ -411,65 +591,50 @@ def state_from_torch(
         >>> int(state[0].count), state[0].mu[0]
         (1, tensor([0.1000, 0.1000]))
     """
-    _, spec = tree_flatten(params)
-    per_param = _torch_param_states(source, params)
-    paths = [path_str(p) for p in spec.paths()]
-    step_count = _common_step(per_param, paths)
-    if count is not None:
-        step_count = count
-    elif step_count is None:
-        step_count = 1 if any(s.get("momentum_buffer") is not None for s in per_param) else 0
-    state = tx.init(params)
-
-    def fill(node: Any) -> Any | None:
-        fields = _MOMENTS.get(type(node))
-        if fields is None:
-            if isinstance(node, tuple) and "count" in getattr(node, "_fields", ()):  # schedules, wrappers: count only
-                return type(node)(
-                    *(
-                        torch.tensor(step_count, dtype=torch.int32) if name == "count" else _map_states(value, fill)
-                        for name, value in zip(node._fields, node)
-                    )
-                )
-            return None
-        values = node._asdict()
-        for field, key in fields:
-            old_leaves = spec.flatten_up_to(values[field])
-            new_leaves = []
-            for path, old, torch_state in zip(paths, old_leaves, per_param):
-                value = torch_state.get(key)
-                if value is None or old is None:
-                    new_leaves.append(old)
-                    continue
-                if value.shape != old.shape:
-                    raise ValueError(
-                        f"torch state {key!r} of {path} has shape {tuple(value.shape)}, expected {tuple(old.shape)}"
-                    )
-                new_leaves.append(value.detach().to(dtype=old.dtype, device=old.device, copy=True))
-            values[field] = spec.unflatten(new_leaves)
-        for field, key in _SCALARS.get(type(node), ()):
-            found = [s[key] for s in per_param if key in s]
-            if found:
-                values[field] = found[0].detach().to(dtype=values[field].dtype, device=values[field].device, copy=True)
-        if "count" in values:
-            values["count"] = torch.tensor(step_count, dtype=torch.int32)
-        return type(node)(**values)
-
-    return _map_states(state, fill)
+    _param_leaves(params)
+    return _convert_from_torch(_torch_param_states(source, params), tx, params, count)
 
 
-def state_to_torch(state: PyTree, params: PyTree, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _torch_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
+    """The per-param state keys ``optimizer`` keeps for a param of ``group`` once it has stepped."""
+    for cls, keys, options in _TORCH_KEYS:
+        if isinstance(optimizer, cls):
+            return set(keys) | {key for option, key in options.items() if group.get(option)}
+    supported = ", ".join(cls.__name__ for cls, _, _ in _TORCH_KEYS)
+    raise ValueError(
+        f"state_to_torch converts into torch.optim's {supported} (and AdamW), not {type(optimizer).__name__}"
+    )
+
+
+def _torch_step(count: int, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    """torch.optim's ``step`` entry: on the param's device for fused and capturable groups, else on the CPU."""
+    device = param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(count), dtype=dtype, device=device)
+
+
+def state_to_torch(
+    state: PyTree, params: PyTree, optimizer: torch.optim.Optimizer, *, count: int | None = None
+) -> dict[str, Any]:
     r"""Converts fadam functional state into a ``state_dict`` for ``optimizer`` (``optimizer.load_state_dict(...)``).
 
     The inverse of ``state_from_torch``: the moments of the fadam states listed there become torch's per-param
     entries, the step count becomes each param's ``step``. ``optimizer`` supplies the param groups (its
-    hyperparameters are kept as they are) and the param order. Before the first step (count 0) the state is empty,
-    as torch.optim's is.
+    hyperparameters are kept as they are) and the param order. The entries must be exactly those ``optimizer``
+    keeps (``exp_avg``, ``exp_avg_sq`` and ``step`` for ``Adam``; ``square_avg``, and ``grad_avg`` and
+    ``momentum_buffer`` when centered and with momentum, for ``RMSprop``; ...), or the conversion is refused naming
+    the param, and so is state with no torch.optim counterpart. Before the first step (count 0) the state is empty,
+    as torch.optim's is (``Adagrad``'s, which torch.optim fills at construction, holds the initial sums).
+
+    ``fadam.rmsprop`` and ``fadam.adagrad`` without ``lr_decay`` keep no step count (their updates do not depend on
+    it): pass ``count``, the number of steps taken, which becomes torch's ``step``.
 
     Args:
         state: the fadam state.
-        params: the params, as the pytree the state was built for, in the optimizer's order (or its own tensors).
+        params: the params, as the pytree the state was built for (a list or dict, dicts in insertion order), in the
+            optimizer's order (or its own tensors).
         optimizer: the torch.optim optimizer that continues the run.
+        count: the step count written for torch (overrides the state's).
 
     Example:
         >>> import torch, fadam
@@ -481,55 +646,43 @@ def state_to_torch(state: PyTree, params: PyTree, optimizer: torch.optim.Optimiz
         >>> opt.state[w]["momentum_buffer"]
         tensor([1., 1.])
     """
-    leaves, spec = tree_flatten(params)
+    leaves, spec = _param_leaves(params)
+    if isinstance(optimizer, Optimizer):
+        raise TypeError("state_to_torch converts into torch.optim optimizers; a fadam.Optimizer takes tx_states")
     sd = optimizer.state_dict()
     opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups_of = [g for g in optimizer.param_groups for _ in g["params"]]
     indices = [i for g in sd["param_groups"] for i in g["params"]]
     if len(opt_params) != len(leaves):
         raise ValueError(f"the torch optimizer has {len(opt_params)} params but params has {len(leaves)} leaves")
     position = {id(p): i for i, p in enumerate(opt_params)}
-    order = [position[id(p)] for p in leaves] if all(id(p) in position for p in leaves) else list(range(len(leaves)))
-    per_param: list[dict[str, Any]] = [{} for _ in leaves]
-    counts: list[int] = []
-    stateful = [False]
-
-    def collect(node: Any) -> Any | None:
-        fields = _MOMENTS.get(type(node))
-        if fields is None:
-            return None
-        values = node._asdict()
-        if "count" in values:
-            counts.append(int(values["count"]))
-        for field, key in fields:
-            for i, leaf in enumerate(spec.flatten_up_to(values[field])):
-                if leaf is not None:
-                    per_param[i][key] = leaf.detach().clone()
-        for field, key in _SCALARS.get(type(node), ()):
-            for entry in per_param:
-                entry[key] = values[field].detach().clone()
-        stateful[0] = True
-        return node
-
-    def visit_counts(node: Any) -> Any | None:
-        if isinstance(node, tuple) and "count" in getattr(node, "_fields", ()) and type(node) not in _MOMENTS:
-            counts.append(int(node.count))
-        return collect(node)
-
-    _map_states(state, visit_counts)
-    if len(set(counts)) > 1:
-        raise ValueError(f"the fadam state holds different step counts {sorted(set(counts))}; torch.optim needs one")
-    step_count = counts[0] if counts else 0
-    if step_count == 0 or not stateful[0]:
+    identical = all(id(p) in position for p in leaves)
+    order = [position[id(p)] for p in leaves] if identical else _given_order(params)
+    paths = [path_str(p) for p in spec.paths()]
+    state_leaves = tree_leaves(state)
+    slots = _slots(state, spec)
+    entries, keeps_step = _torch_entries(state_leaves, slots, paths)
+    for path, keys, has_step, opt_index in zip(paths, entries, keeps_step, order):
+        given = set(keys) | ({"step"} if has_step else set())
+        wanted = _torch_keys(optimizer, groups_of[opt_index])
+        if given != wanted:
+            raise ValueError(
+                f"cannot convert the state of param {path} for {type(optimizer).__name__}: it keeps "
+                f"{sorted(wanted)}, the fadam state gives {sorted(given)}"
+            )
+    if count is None:
+        counts = {int(leaf) for leaf, slot in zip(state_leaves, slots) if slot.param is None and slot.field == "count"}
+        if len(counts) > 1:
+            raise ValueError(f"the fadam state holds different step counts {sorted(counts)}; torch.optim needs one")
+        if not counts and any(entries):
+            raise ValueError("the fadam state keeps no step count (rmsprop, adagrad without lr_decay): pass count=")
+        count = next(iter(counts), 0)
+    if count == 0 and not isinstance(optimizer, torch.optim.Adagrad):
         return {"state": {}, "param_groups": sd["param_groups"]}
-    groups_of = [g for g in optimizer.param_groups for _ in g["params"]]
     new_state = {}
-    for leaf_index, opt_index in enumerate(order):
-        entry = per_param[leaf_index]
-        group = groups_of[opt_index]
-        if not isinstance(optimizer, torch.optim.SGD):
-            on_device = group.get("fused") or group.get("capturable")
-            device = opt_params[opt_index].device if on_device else torch.device("cpu")
-            dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-            entry["step"] = torch.tensor(float(step_count), dtype=dtype, device=device)
+    for keys, has_step, opt_index in zip(entries, keeps_step, order):
+        entry = {key: state_leaves[index].detach().clone() for key, index in keys.items()}
+        if has_step:
+            entry["step"] = _torch_step(count, groups_of[opt_index], opt_params[opt_index])
         new_state[indices[opt_index]] = entry
     return {"state": new_state, "param_groups": sd["param_groups"]}

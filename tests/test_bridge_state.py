@@ -1,0 +1,278 @@
+"""The refusals and round trips of state_from_torch / state_to_torch."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fadam
+
+LAYERS = 11  # sorted names put "10.weight" before "2.weight": the order optree flattens a dict of named params in
+
+
+def _stack(seed: int = 0) -> torch.nn.Sequential:
+    """Layers of one shape, so that a param given another's state is not caught by a shape check."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(4, 4, bias=False) for _ in range(LAYERS))).double()
+
+
+def _copy(model: torch.nn.Module) -> torch.nn.Module:
+    twin = _stack(seed=1)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    return model(x).pow(2).mean()
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+
+
+def _assert_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        err = float((p.detach() - q.detach()).abs().max() / q.detach().abs().max())
+        assert err <= rtol, (name, err)
+
+
+# --- state_from_torch: what does not convert is refused ---------------------------------------------------------------
+
+
+def _stepped(make, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _stack()
+    opt = make(model.parameters())
+    _train(model, opt, steps)
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    ("make", "tx", "expected", "found"),
+    [
+        (
+            lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+            fadam.adam(lr=1e-2),
+            "['exp_avg', 'exp_avg_sq', 'step']",
+            "['momentum_buffer']",
+        ),
+        (
+            lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            fadam.sgd(lr=1e-2, momentum=0.9),
+            "['momentum_buffer']",
+            "['exp_avg', 'exp_avg_sq', 'step']",
+        ),
+        (
+            lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+            fadam.adam(lr=1e-2),
+            "['exp_avg', 'exp_avg_sq', 'step']",
+            "['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step']",
+        ),
+        (
+            lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+            fadam.adam(lr=1e-2),
+            "['exp_avg', 'exp_avg_sq', 'step']",
+            "['exp_avg', 'exp_avg_sq', 'mu_product', 'step']",
+        ),
+        (
+            lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True),
+            fadam.rmsprop(lr=1e-2),
+            "['square_avg', 'step']",
+            "['grad_avg', 'square_avg', 'step']",
+        ),
+    ],
+    ids=["sgd-into-adam", "adam-into-sgd-momentum", "amsgrad-into-adam", "nadam-into-adam", "centered-into-plain"],
+)
+def test_state_from_torch_refuses_another_optimizers_state(make, tx, expected, found):
+    model, opt = _stepped(make)
+    message = f"param [0]: expected keys {expected}, found {found}"
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        fadam.state_from_torch(opt, tx, list(model.parameters()))
+
+
+def _bitsandbytes_adam8bit_state(params: list[torch.Tensor], step: int) -> dict:
+    """A state_dict shaped like bitsandbytes' Adam8bit (bitsandbytes is not needed to build one)."""
+
+    def entry(p):
+        blocks = (p.numel() + 255) // 256
+        return {
+            "step": step,
+            "state1": torch.full(p.shape, 130, dtype=torch.uint8),
+            "state2": torch.full(p.shape, 7, dtype=torch.uint8),
+            "qmap1": torch.linspace(-1, 1, 256),
+            "qmap2": torch.linspace(0, 1, 256),
+            "absmax1": torch.ones(blocks),
+            "absmax2": torch.ones(blocks),
+        }
+
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "params": list(range(len(params)))}]
+    return {"state": {i: entry(p) for i, p in enumerate(params)}, "param_groups": groups}
+
+
+def test_state_from_torch_refuses_bitsandbytes_8bit_state():
+    small = [torch.zeros(4, 4), torch.zeros(4)]
+    source = _bitsandbytes_adam8bit_state(small, step=3)
+    with pytest.raises(ValueError, match=r"param \[0\]: expected keys .* found \['absmax1', 'absmax2', 'qmap1'"):
+        fadam.state_from_torch(source, fadam.adam8bit(lr=1e-3), small)  # moments of small params are float32
+    large = [torch.zeros(64, 128)]
+    quantized = r"param \[0\]: fadam's state\[0\]\.inner_state\.mu\.codes is part of a quantized ScaleByAdamState\.mu"
+    with pytest.raises(ValueError, match=quantized):
+        fadam.state_from_torch(_bitsandbytes_adam8bit_state(large, step=3), fadam.adam8bit(lr=1e-3), large)
+
+
+def test_state_from_torch_refuses_a_partial_state():
+    model = _stack()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    model[3].weight.requires_grad_(False)  # no gradient: torch.optim keeps no buffer for it
+    _train(model, opt, 2)
+    with pytest.raises(ValueError, match=r"param \[3\]: expected keys \['momentum_buffer'\], found \[\]"):
+        fadam.state_from_torch(opt, fadam.sgd(lr=1e-2, momentum=0.9), list(model.parameters()))
+    model, opt = _stepped(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    source = opt.state_dict()
+    del source["state"][5]["exp_avg_sq"]
+    with pytest.raises(ValueError, match=r"param \[5\]: expected keys .*, found \['exp_avg', 'step'\]"):
+        fadam.state_from_torch(source, fadam.adam(lr=1e-2), list(model.parameters()))
+
+
+def test_state_from_torch_refuses_state_without_a_torch_counterpart():
+    model, opt = _stepped(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    with pytest.raises(ValueError, match=r"param \[0\]: fadam's state\[0\]\.mu \(ScaleByLionState\.mu\) has no torch"):
+        fadam.state_from_torch(opt, fadam.lion(lr=1e-3), list(model.parameters()))
+
+
+def test_state_from_torch_of_an_empty_state_is_a_fresh_one():
+    model = _stack()
+    params = list(model.parameters())
+    fresh = fadam.state_from_torch(torch.optim.Adam(params, lr=1e-2), fadam.adam(lr=1e-2), params)
+    assert int(fresh[0].count) == 0 and all(not m.any() for m in fresh[0].mu)
+    sgd = torch.optim.SGD(params, lr=1e-2)
+    _train(model, sgd, 1)
+    source = sgd.state_dict()  # without momentum: no buffer, or a None one
+    source["state"] = {i: {"momentum_buffer": None} for i in range(len(params))}
+    assert fadam.state_from_torch(source, fadam.sgd(lr=1e-2), params) == (fadam.EmptyState(),)
+
+
+def test_state_from_torch_matches_a_dict_of_params_by_the_optimizers_order():
+    model, opt = _stepped(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    state = fadam.state_from_torch(opt.state_dict(), fadam.adam(lr=1e-2), params)  # no param_names: by order
+    for name, p in model.named_parameters():
+        assert torch.equal(state[0].mu[name], opt.state[p]["exp_avg"])
+
+
+# --- state_to_torch ---------------------------------------------------------------------------------------------------
+
+ROUND_TRIPS = [
+    (functools.partial(fadam.rmsprop, lr=1e-3), functools.partial(torch.optim.RMSprop, lr=1e-3)),
+    (
+        functools.partial(fadam.rmsprop, lr=1e-3, centered=True),
+        functools.partial(torch.optim.RMSprop, lr=1e-3, centered=True),
+    ),
+    (
+        functools.partial(fadam.rmsprop, lr=1e-3, momentum=0.5),
+        functools.partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+    ),
+    (
+        functools.partial(fadam.rmsprop, lr=1e-3, centered=True, momentum=0.5, weight_decay=0.1),
+        functools.partial(torch.optim.RMSprop, lr=1e-3, centered=True, momentum=0.5, weight_decay=0.1),
+    ),
+    (functools.partial(fadam.adagrad, lr=1e-1), functools.partial(torch.optim.Adagrad, lr=1e-1)),
+    (
+        functools.partial(fadam.adagrad, lr=1e-1, initial_accumulator_value=0.5),
+        functools.partial(torch.optim.Adagrad, lr=1e-1, initial_accumulator_value=0.5),
+    ),
+]
+ROUND_TRIP_IDS = [
+    "rmsprop",
+    "rmsprop-centered",
+    "rmsprop-momentum",
+    "rmsprop-centered-momentum-decay",
+    "adagrad",
+    "adagrad-initial-sum",
+]
+
+
+def _functional_train(tx, model, params, state, steps, start):
+    def loss(params, step):
+        return _loss_of(torch.func.functional_call(model, params, (_inputs(step),)))
+
+    for step in range(start, start + steps):
+        grads = torch.func.grad(loss)(params, step)
+        params, state = fadam.step(tx, params, grads, state)
+    return params, state
+
+
+def _inputs(step: int) -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def _loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+@pytest.mark.parametrize(("fadam_tx", "torch_opt"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
+def test_state_to_torch_continues_a_fadam_run_in_torch(fadam_tx, torch_opt):
+    model = _stack()
+    tx = fadam_tx()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params, state = _functional_train(tx, model, params, tx.init(params), 5, 0)
+    twin = _copy(model)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(params[name])
+    opt = torch_opt(twin.parameters())
+    named = dict(twin.named_parameters())
+    opt.load_state_dict(fadam.state_to_torch(state, {k: named[k] for k in params}, opt, count=5))
+    assert all(float(s["step"]) == 5 for s in opt.state.values())
+    params, state = _functional_train(tx, model, params, state, 15, 5)
+    _train(twin, opt, 15, start=5)
+    for name, p in twin.named_parameters():
+        assert float((p.detach() - params[name]).abs().max() / params[name].abs().max()) <= 1e-12, name
+
+
+@pytest.mark.parametrize(("fadam_tx", "torch_opt"), ROUND_TRIPS, ids=ROUND_TRIP_IDS)
+def test_state_from_torch_continues_a_torch_run_in_fadam(fadam_tx, torch_opt):
+    model = _stack()
+    opt = torch_opt(model.parameters())
+    _train(model, opt, 5)
+    tx = fadam_tx()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = fadam.state_from_torch(opt.state_dict(), tx, params)
+    _train(model, opt, 15, start=5)
+    params, state = _functional_train(tx, model, params, state, 15, 5)
+    for name, p in model.named_parameters():
+        assert float((p.detach() - params[name]).abs().max() / params[name].abs().max()) <= 1e-12, name
+
+
+def test_state_to_torch_asks_for_the_count_fadam_does_not_keep():
+    model = _stack()
+    tx = fadam.rmsprop(lr=1e-3)
+    params = list(model.parameters())
+    state = tx.init([p.detach() for p in params])
+    with pytest.raises(ValueError, match=r"keeps no step count .* pass count="):
+        fadam.state_to_torch(state, params, torch.optim.RMSprop(params, lr=1e-3))
+
+
+@pytest.mark.parametrize(
+    ("tx", "make", "match"),
+    [
+        (fadam.adam(lr=1e-2), lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), "SGD: it keeps"),
+        (fadam.rmsprop(lr=1e-2), lambda ps: torch.optim.RMSprop(ps, centered=True), "RMSprop: it keeps .*grad_avg"),
+        (fadam.lion(lr=1e-3), lambda ps: torch.optim.Adam(ps), "ScaleByLionState.mu. has no torch"),
+        (fadam.adam(lr=1e-2), lambda ps: torch.optim.LBFGS(ps), "not LBFGS"),
+    ],
+    ids=["adam-into-sgd", "plain-into-centered", "lion", "unsupported-optimizer"],
+)
+def test_state_to_torch_refuses_what_the_optimizer_does_not_keep(tx, make, match):
+    model = _stack()
+    params = list(model.parameters())
+    detached = [p.detach() for p in params]
+    state = tx.update([torch.ones_like(p) for p in params], tx.init(detached), detached)[1]
+    with pytest.raises(ValueError, match=match):
+        fadam.state_to_torch(state, params, make(params), count=1)
