@@ -149,6 +149,21 @@ def _slots(state: PyTree, params_spec: optree.PyTreeSpec) -> list[_Slot]:
     return slots
 
 
+def _checked(where: str, new: Any, old: Any) -> Any:
+    """``new``, checked to replace the state leaf ``old`` (same kind, shape and dtype), copied to ``old``'s device."""
+    if old is None or not isinstance(old, torch.Tensor):
+        if type(new) is not type(old):
+            raise ValueError(f"{where}: expected {type(old).__name__}, got {type(new).__name__}")
+        return new
+    if not isinstance(new, torch.Tensor):
+        raise ValueError(f"{where}: expected a tensor, got {type(new).__name__}")
+    if new.shape != old.shape or new.dtype != old.dtype:
+        raise ValueError(
+            f"{where}: expected shape {tuple(old.shape)} and dtype {old.dtype}, got {tuple(new.shape)} and {new.dtype}"
+        )
+    return new.to(old.device, copy=True)  # a copy: later donating steps must not write into the caller's tensors
+
+
 # --- params that must not be updated twice --------------------------------------------------------------------------
 
 
@@ -210,9 +225,16 @@ class Optimizer(torch.optim.Optimizer):
     - any other transform: its updates are multiplied by ``lr / lr_at_construction`` (``lr`` defaults to 1.0, so it is
       a multiplier on the transform's own step size; exact while it is unchanged).
 
-    The functional state of group ``i`` is ``optimizer.tx_states[i]``; ``state_dict`` stores its leaves (tensors
-    only, loadable with ``torch.load(weights_only=True)``), ``load_state_dict`` checks them against the optimizer's
-    own state and loads nothing unless every leaf matches. ``torch.amp.GradScaler`` works through its standard path
+    The functional state of group ``i`` is ``optimizer.tx_states[i]``. ``state_dict`` lays it out as torch.optim
+    does, by param position: ``"state"`` maps each param's index (numbered across groups in the order the params were
+    given, named or not) to its own leaves, keyed by their path in the state without the param's part
+    (``{"state[0].mu": ..., "state[0].nu": ...}``); leaves shared by a group's params (step counts, injected
+    hyperparameters) are in ``param_groups[i]["tx_state"]``, next to ``params`` (the indices) and ``param_names``.
+    Tensors, numbers and strings only: it loads with ``torch.load(weights_only=True)``. ``load_state_dict`` matches
+    params by position, so named and unnamed optimizers load each other's state, checks every entry and leaf against
+    the optimizer's own state and loads nothing unless all match. It also takes a torch.optim optimizer's
+    ``state_dict`` (converted as ``fadam.state_from_torch`` does) and the older fadam layout (a list of state leaves
+    per group; only into groups with the same param names). ``torch.amp.GradScaler`` works through its standard path
     (``scaler.unscale_`` then a skipped step when a gradient is not finite).
 
     Args:
@@ -229,6 +251,8 @@ class Optimizer(torch.optim.Optimizer):
         >>> opt.step(); sched.step()
         >>> opt.param_groups[0]["lr"], int(opt.tx_states[0][0].count)
         (0.05, 1)
+        >>> sorted(opt.state_dict()["state"][0]), opt.state_dict()["param_groups"][0]["param_names"]
+        (['state[0].mu', 'state[0].nu'], ['weight', 'bias'])
     """
 
     def __init__(self, params: Iterable[Any], tx: TransformOrFactory, *, lr: float | torch.Tensor | None = None):
@@ -350,55 +374,120 @@ class Optimizer(torch.optim.Optimizer):
 
     # --- checkpoints ------------------------------------------------------------------------------------------------
 
+    def _layout(self, index: int) -> tuple[list[_Slot], list[int]]:
+        """Group ``index``'s state slots, and for each leaf of its params tree the param's position in the group."""
+        group = self.param_groups[index]
+        tree = self._tree(group, list(group["params"]))
+        return _slots(self.tx_states[index], tree_flatten(tree)[1]), _given_order(tree)
+
+    def _param_label(self, index: int, position: int) -> str:
+        names = self.param_groups[index].get("param_names")
+        return f"param group {index}, param {path_str((names[position] if names is not None else position,))}"
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"state": {group index: [state leaves]}, "param_groups": [...]}``: tensors, numbers and lists only."""
+        """``{"state": {param index: {state path: tensor}}, "param_groups": [...]}`` (see the class docstring)."""
+        state: dict[int, dict[str, Any]] = {}
         groups, start = [], 0
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
+            slots, positions = self._layout(index)
+            shared: dict[str, Any] = {}
+            for leaf, slot in zip(tree_leaves(self.tx_states[index]), slots):
+                if leaf is None:
+                    continue
+                if slot.param is None:
+                    shared[slot.key] = leaf
+                else:
+                    state.setdefault(start + positions[slot.param], {})[slot.key] = leaf
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
+            packed["tx_state"] = shared
             groups.append(packed)
-        return {"state": {i: tree_leaves(s) for i, s in enumerate(self.tx_states)}, "param_groups": groups}
+            start += len(group["params"])
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Loads a ``state_dict`` of this optimizer; raises naming the first mismatch and then loads nothing."""
-        saved_groups = state_dict["param_groups"]
+        """Loads a ``state_dict`` of a ``fadam.Optimizer`` or a torch.optim optimizer (see the class docstring);
+        raises naming the first mismatch and then loads nothing."""
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
             )
-        new_states = []
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"param group {index}: state_dict has {len(saved['params'])} params, "
                     f"this optimizer {len(group['params'])}"
                 )
-            current, spec = tree_flatten(self.tx_states[index])
-            leaves = state_dict["state"][index]
-            if len(leaves) != len(current):
+        if any(isinstance(entry, list) for entry in saved_state.values()):
+            load = self._load_leaves
+        elif all("tx_state" in saved for saved in saved_groups):
+            load = self._load_entries
+        else:
+            load = self._load_torch
+        new_states = [load(index, saved, saved_state) for index, saved in enumerate(saved_groups)]
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", "tx_state")})
+            self.tx_states[index] = new_states[index]
+
+    def _load_entries(self, index: int, saved: dict[str, Any], saved_state: dict[int, Any]) -> PyTree:
+        """Group ``index``'s state from this class's ``state_dict`` layout, checked entry by entry and leaf by leaf."""
+        slots, positions = self._layout(index)
+        current, spec = tree_flatten(self.tx_states[index])
+        entries = [saved_state.get(i, {}) for i in saved["params"]]
+        expected: list[set[str]] = [set() for _ in positions]
+        for leaf, slot in zip(current, slots):
+            if leaf is not None and slot.param is not None:
+                expected[positions[slot.param]].add(slot.key)
+        for position, keys in enumerate(expected):
+            if set(entries[position]) != keys:
                 raise ValueError(
-                    f"param group {index}: state_dict has {len(leaves)} state leaves, expected {len(current)}"
+                    f"{self._param_label(index, position)}: state_dict holds {sorted(entries[position])}, "
+                    f"expected {sorted(keys)}"
                 )
-            loaded = []
-            accessors = optree.tree_accessors(self.tx_states[index], none_is_leaf=True)
-            for accessor, new, old in zip(accessors, leaves, current):
-                where = f"param group {index}, state leaf {accessor.codify('state')}"
-                if (new is None) != (old is None) or (old is not None and not isinstance(new, torch.Tensor)):
-                    raise ValueError(f"{where}: expected {type(old).__name__}, got {type(new).__name__}")
-                if old is None:
-                    loaded.append(None)
-                    continue
-                if new.shape != old.shape or new.dtype != old.dtype:
-                    raise ValueError(
-                        f"{where}: expected shape {tuple(old.shape)} and dtype {old.dtype}, "
-                        f"got {tuple(new.shape)} and {new.dtype}"
-                    )
-                loaded.append(new.to(old.device, copy=True))  # a copy: later donating steps must not write into it
-            new_states.append(spec.unflatten(loaded))
-        for group, saved, state, index in zip(self.param_groups, saved_groups, new_states, range(len(new_states))):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-            self.tx_states[index] = state
+        shared = {slot.key for leaf, slot in zip(current, slots) if leaf is not None and slot.param is None}
+        if set(saved["tx_state"]) != shared:
+            raise ValueError(
+                f"param group {index}: state_dict holds shared state {sorted(saved['tx_state'])}, "
+                f"expected {sorted(shared)}"
+            )
+        loaded = []
+        for old, slot in zip(current, slots):
+            if old is None:
+                loaded.append(None)
+            elif slot.param is None:
+                loaded.append(_checked(f"param group {index}, {slot.key}", saved["tx_state"][slot.key], old))
+            else:
+                position = positions[slot.param]
+                where = f"{self._param_label(index, position)}, {slot.key}"
+                loaded.append(_checked(where, entries[position][slot.key], old))
+        return spec.unflatten(loaded)
+
+    def _load_leaves(self, index: int, saved: dict[str, Any], saved_state: dict[int, Any]) -> PyTree:
+        """Group ``index``'s state from fadam's older layout: the group's state leaves in the order optree flattens
+        them, which depends on the param names (sorted), so the names must be the same."""
+        if saved.get("param_names") != self.param_groups[index].get("param_names"):
+            raise ValueError(
+                f"param group {index}: this state_dict has fadam's older layout (state leaves per group, in the "
+                "order of the params tree), which loads only into a group with the same param names"
+            )
+        current, spec = tree_flatten(self.tx_states[index])
+        leaves = saved_state[index]
+        if len(leaves) != len(current):
+            raise ValueError(f"param group {index}: state_dict has {len(leaves)} state leaves, expected {len(current)}")
+        accessors = optree.tree_accessors(self.tx_states[index], none_is_leaf=True)
+        where = [f"param group {index}, state leaf {accessor.codify('state')}" for accessor in accessors]
+        return spec.unflatten([_checked(w, new, old) for w, new, old in zip(where, leaves, current)])
+
+    def _load_torch(self, index: int, saved: dict[str, Any], saved_state: dict[int, Any]) -> PyTree:
+        """Group ``index``'s state converted from a torch.optim ``state_dict``, its params matched by position."""
+        group = self.param_groups[index]
+        params = self._tree(group, [p.detach() for p in group["params"]])
+        by_position = [saved_state.get(i, {}) for i in saved["params"]]
+        try:
+            return _convert_from_torch([by_position[i] for i in _given_order(params)], self._txs[index], params, None)
+        except ValueError as error:
+            raise ValueError(f"param group {index}: a torch.optim state_dict that does not convert: {error}") from None
 
 
 # --- torch.optim state import / export ------------------------------------------------------------------------------

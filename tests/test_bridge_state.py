@@ -1,9 +1,12 @@
-"""The refusals and round trips of state_from_torch / state_to_torch."""
+"""fadam.Optimizer's state_dict (keyed by param position, named and unnamed alike, torch.optim's loaded through the
+conversion) and the refusals and round trips of state_from_torch / state_to_torch."""
 
 from __future__ import annotations
 
 import functools
+import io
 
+import optree
 import pytest
 import torch
 
@@ -41,6 +44,100 @@ def _assert_close(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         err = float((p.detach() - q.detach()).abs().max() / q.detach().abs().max())
         assert err <= rtol, (name, err)
+
+
+def _roundtrip(state_dict: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# --- fadam.Optimizer.state_dict: keyed by param position --------------------------------------------------------------
+
+
+def test_state_dict_lists_each_params_state_under_its_position():
+    model = _stack()
+    opt = fadam.Optimizer(model.named_parameters(), fadam.adam, lr=1e-2)
+    _train(model, opt, 2)
+    saved = opt.state_dict()
+    names = saved["param_groups"][0]["param_names"]
+    assert names == [name for name, _ in model.named_parameters()]
+    assert saved["param_groups"][0]["params"] == list(range(LAYERS))
+    assert int(saved["param_groups"][0]["tx_state"]["state[0].count"]) == 2
+    mu = opt.tx_states[0][0].mu
+    for index, name in enumerate(names):
+        assert sorted(saved["state"][index]) == ["state[0].mu", "state[0].nu"]
+        assert saved["state"][index]["state[0].mu"] is mu[name]
+
+
+@pytest.mark.parametrize(("source_named", "target_named"), [(False, True), (True, False), (True, True)])
+def test_named_and_unnamed_state_dicts_load_into_each_other(source_named, target_named):
+    def params(model, named):
+        return model.named_parameters() if named else model.parameters()
+
+    model = _stack()
+    opt = fadam.Optimizer(params(model, source_named), fadam.adam, lr=1e-2)
+    _train(model, opt, 5)
+    twin = _copy(model)
+    opt_twin = fadam.Optimizer(params(twin, target_named), fadam.adam, lr=1e-2)
+    opt_twin.load_state_dict(_roundtrip(opt.state_dict()))
+    _train(model, opt, 5, start=5)
+    _train(twin, opt_twin, 5, start=5)
+    _assert_close(twin, model, 0.0)
+
+
+def test_a_torch_adam_state_dict_loads_into_a_named_fadam_optimizer():
+    model = _stack()
+    reference = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, reference, 5)
+    twin = _copy(model)
+    opt = fadam.Optimizer(twin.named_parameters(), fadam.adam, lr=1e-3)
+    opt.load_state_dict(_roundtrip(reference.state_dict()))
+    assert opt.param_groups[0]["lr"] == 1e-2
+    assert int(opt.tx_states[0][0].count) == 5
+    _train(model, reference, 20, start=5)
+    _train(twin, opt, 20, start=5)
+    _assert_close(twin, model, 1e-12)
+
+
+def test_a_torch_state_dict_that_does_not_convert_is_refused_and_nothing_loads():
+    model = _stack()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    _train(model, sgd, 1)
+    opt = fadam.Optimizer(model.parameters(), fadam.adam, lr=0.2)
+    with pytest.raises(ValueError, match=r"param group 0: .* param \[0\]: expected keys .*found \['momentum_buffer'\]"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.2
+
+
+def test_a_state_dict_with_other_entries_is_refused_and_nothing_loads():
+    model = _stack()
+    sgd = fadam.Optimizer(model.named_parameters(), functools.partial(fadam.sgd, momentum=0.9), lr=0.1)
+    _train(model, sgd, 1)
+    opt = fadam.Optimizer(model.named_parameters(), fadam.adam, lr=0.2)
+    before = opt.tx_states[0]
+    with pytest.raises(ValueError, match=r"param \['0.weight'\]: state_dict holds \['state\[0\].trace'\], expected"):
+        opt.load_state_dict(sgd.state_dict())
+    assert opt.tx_states[0] is before and opt.param_groups[0]["lr"] == 0.2
+
+
+def test_the_older_layout_loads_only_where_the_param_names_agree():
+    model = _stack()
+    opt = fadam.Optimizer(model.named_parameters(), fadam.adam, lr=1e-2)
+    _train(model, opt, 3)
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    # fadam's older layout: the group's state leaves in the order optree flattens them (param names sorted)
+    older = {"state": {0: optree.tree_leaves(opt.tx_states[0], none_is_leaf=True)}, "param_groups": [group]}
+    group["params"] = list(range(LAYERS))
+    named = fadam.Optimizer(_copy(model).named_parameters(), fadam.adam, lr=1e-2)
+    named.load_state_dict(older)
+    assert torch.equal(named.tx_states[0][0].mu["2.weight"], opt.tx_states[0][0].mu["2.weight"])
+    unnamed = fadam.Optimizer(_copy(model).parameters(), fadam.adam, lr=1e-2)
+    before = unnamed.tx_states[0]
+    with pytest.raises(ValueError, match=r"older layout .* same param names"):
+        unnamed.load_state_dict(older)
+    assert unnamed.tx_states[0] is before
 
 
 # --- state_from_torch: what does not convert is refused ---------------------------------------------------------------
