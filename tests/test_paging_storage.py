@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,6 +219,83 @@ def test_a_torn_latest_commit_falls_back_to_the_step_before(tmp_path, durable):
     ours, _ = tx.update(_grads(1), state, params)
     ref, _ = reference.update(_grads(1), ref_state, params)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+def _committed_leaf_bytes(path: Path, chunk: int) -> tuple[int, int]:
+    """The file offset and size of the largest state leaf of ``chunk`` in the slot of the latest commit."""
+    state_file = _storage.StateFile.open(str(path), writable=False)
+    try:
+        slot, size = state_file.latest().slot, state_file.chunk_sizes[chunk]
+        places = _storage.described_places(state_file.description["chunks"][chunk])
+        place = max(places, key=lambda p: p.nbytes)
+        return state_file.chunk_offsets[chunk] + slot * size + place.offset, place.nbytes
+    finally:
+        state_file.close()
+
+
+def _flip(path: Path, offset: int, count: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_corrupt_state_data_is_refused_on_resume_naming_the_chunk(tmp_path):
+    path = tmp_path / "s"
+    tx = fadam.page_state(fadam.adam(lr=1e-2), "disk", path, 4096, per_leaf=True)
+    params = _params()
+    _, state = tx.update(_grads(0), tx.init(params), params)
+    _, state = tx.update(_grads(1), state, params)
+    resume = fadam.page_state(fadam.adam(lr=1e-2), "disk", path, 4096, per_leaf=True, resume=True)
+    assert int(resume.init(params).serial) == 3  # intact, it resumes
+
+    offset, nbytes = _committed_leaf_bytes(path, 1)
+    _flip(path, offset + nbytes // 2, 16)
+    corrupted = path.read_bytes()
+    expected = rf"^{re.escape(str(path))} is corrupt: chunk 1 of commit 3 has CRC-32 [0-9a-f]{{8}}, its commit"
+    with pytest.raises(fadam.PagedStateFileError, match=expected):
+        resume.init(params)
+    assert path.read_bytes() == corrupted  # refused before anything was written
+
+    _flip(path, offset + nbytes // 2, 16)  # repaired, then the checksum table itself is damaged
+    state_file = _storage.StateFile.open(str(path), writable=False)
+    table = state_file._table_at(state_file.latest().slot)
+    state_file.close()
+    _flip(path, table + 4, 1)
+    with pytest.raises(fadam.PagedStateFileError, match="corrupt: the checksum table of commit 3 does not match"):
+        resume.init(params)
+
+
+def test_corrupting_the_spare_slot_does_not_affect_resume(tmp_path):
+    # the spare slot holds the commit before the latest one; resume reads and checks only the latest
+    path = tmp_path / "s"
+    tx = fadam.page_state(fadam.adam(lr=1e-2), "disk", path, 4096, per_leaf=True)
+    params = _params()
+    _, state = tx.update(_grads(0), tx.init(params), params)
+    offset, nbytes = _committed_leaf_bytes(path, 0)
+    state_file = _storage.StateFile.open(str(path), writable=False)
+    spare_offset = offset + (1 - 2 * state_file.latest().slot) * state_file.chunk_sizes[0]
+    state_file.close()
+    _flip(path, spare_offset, nbytes)
+    resumed = fadam.page_state(fadam.adam(lr=1e-2), "disk", path, 4096, per_leaf=True, resume=True)
+    state = resumed.init(params)
+    reference = fadam.adam(lr=1e-2)
+    _, ref_state = reference.update(_grads(0), reference.init(params), params)
+    ours, _ = resumed.update(_grads(1), state, params)
+    ref, _ = reference.update(_grads(1), ref_state, params)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+def test_a_file_of_the_older_unchecksummed_format_is_refused(tmp_path):
+    path = tmp_path / "s"
+    fadam.paged_adam(storage="disk", path=path).init(_params())
+    with open(path, "r+b") as f:
+        f.seek(8)  # the format version, where every version keeps it
+        f.write((1).to_bytes(4, "little"))
+    expected = rf"^{re.escape(str(path))} has the older file format 1, without checksums of its data"
+    with pytest.raises(fadam.PagedStateFileError, match=expected):
+        fadam.paged_adam(storage="disk", path=path, resume=True).init(_params())
 
 
 def test_an_init_that_raises_removes_its_temporary_file_and_keeps_the_old_one(tmp_path):

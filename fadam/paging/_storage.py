@@ -6,14 +6,18 @@ current slot intact.
 
 The disk file is its own checkpoint::
 
-    [header page][chunk 0: slot 0 | slot 1][chunk 1: slot 0 | slot 1] ... [description (JSON)]
+    [header page][chunk 0: slot 0 | slot 1] ... [checksums: slot 0 | slot 1][description (JSON)]
 
 The header holds a magic, the format version, a random file id, the SHA-256 fingerprint of the description (for
-each chunk: the param leaves it covers, the inner state's tree structure, and the shape and dtype of every state leaf)
-and two commit records, one per slot: ``(serial, generation, crc32)``. An update invalidates the record of the slot
-it is about to write, writes the data, then writes that record with a new serial: the record is the commit marker and
-it is written last. On load, the valid record with the highest serial names the slot to read; a file without one is
-reported as incomplete. Reads map the chunk being read; writes use ``pwrite``, so only about two chunks are resident.
+each chunk: the param leaves it covers, the inner state's tree structure, and the shape and dtype of every state leaf),
+where the checksum tables lie, and two commit records, one per slot: ``(serial, generation, crc32 of the slot's
+checksum table, crc32 of the record)``. A slot's checksum table holds, per chunk, the CRC-32 of that chunk's state
+leaves in the slot, computed from the bytes as they are written (in memory, never read back from the disk). An update
+invalidates the record of the slot it is about to write, writes the data, the slot's checksum table, then that record
+with a new serial: the record is the commit marker and it is written last. On load, the valid record with the highest
+serial names the slot to read; a file without one is reported as incomplete. ``verify`` checks a slot's data against
+its table (on resume); updates do not, as that would read the state a second time every step. Reads map the chunk
+being read; writes use ``pwrite``, so only about two chunks are resident.
 """
 
 from __future__ import annotations
@@ -32,17 +36,19 @@ import weakref
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32 checksums of each slot's data
 MAGIC = b"FADAMPG\x00"
 RECORD_MAGIC = b"COMMIT\x00\x00"
 PAGE = mmap.ALLOCATIONGRANULARITY  # mmap offsets must be multiples of it
 LEAF_ALIGN = 64
-_HEADER = struct.Struct("<8sIIq32sqq")  # magic, version, reserved, file id, fingerprint, description offset, length
-_RECORD = struct.Struct("<8sqqq")  # magic, serial, generation, slot
+# magic, version, reserved, file id, fingerprint, description offset and length, checksum tables offset
+_HEADER = struct.Struct("<8sIIq32sqqq")
+_RECORD = struct.Struct("<8sqqqI")  # magic, serial, generation, slot, crc32 of the slot's checksum table
+_VERSION = struct.Struct("<I")  # at offset 8 in every format version
 _RECORD_OFFSETS = (1024, 2048)
 
 
@@ -105,6 +111,21 @@ def _page_locked(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def described_places(chunk: dict) -> list[LeafPlace]:
+    """The places of a chunk's state leaves, from the chunk's entry in a file's description."""
+    metas = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for shape, dtype in chunk["leaves"]]
+    return leaf_places(metas)[0]
+
+
+def leaves_crc(data: memoryview, places: list[LeafPlace]) -> int:
+    """The CRC-32 of a chunk's state leaves in ``data`` (the chunk's bytes), leaf after leaf; padding is not part of
+    it."""
+    crc = 0
+    for place in places:
+        crc = zlib.crc32(data[place.offset : place.offset + place.nbytes], crc)
+    return crc
+
+
 def fingerprint(description: dict) -> bytes:
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).digest()
 
@@ -118,6 +139,7 @@ class Commit:
     serial: int
     generation: int
     slot: int
+    table_crc: int = 0  # of the slot's checksum table; set when the commit is written
 
 
 def _os_error(err: OSError, path: str, doing: str, nbytes: int | None = None) -> OSError:
@@ -128,6 +150,16 @@ def _os_error(err: OSError, path: str, doing: str, nbytes: int | None = None) ->
     else:
         message = f"cannot {doing} {path}: {os.strerror(err.errno) if err.errno else err}"
     return type(err)(err.errno, message)
+
+
+def _check_version(path: str, version: int) -> None:
+    if version < FORMAT_VERSION:
+        raise PagedStateFileError(
+            f"{path} has the older file format {version}, without checksums of its data; this fadam reads format "
+            f"{FORMAT_VERSION}: create the file anew (resume=False)"
+        )
+    if version > FORMAT_VERSION:
+        raise PagedStateFileError(f"{path} has file format {version}, newer than the format {FORMAT_VERSION} read here")
 
 
 def remove_stale_temporaries(path: str) -> None:
@@ -159,11 +191,12 @@ def _alive(pid: int) -> bool:
 class StateFile:
     """A paged-state file: opened per use, mapped one chunk window at a time, so resident memory stays bounded."""
 
-    def __init__(self, path: str, fd: int, file_id: int, description: dict, chunk_offsets: list[int]) -> None:
+    def __init__(self, path: str, fd: int, file_id: int, description: dict, table_offset: int) -> None:
         self.path, self.fd, self.file_id = path, fd, file_id
         self.description = description
-        self.chunk_offsets = chunk_offsets
+        self.chunk_offsets = [chunk["offset"] for chunk in description["chunks"]]
         self.chunk_sizes = [chunk["size"] for chunk in description["chunks"]]
+        self.table_offset = table_offset
 
     # creation ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -193,22 +226,22 @@ class StateFile:
             raise _os_error(err, path, "open the paged state file") from None
         try:
             head = os.pread(fd, _HEADER.size, 0)
-            if len(head) < _HEADER.size or head[:8] != MAGIC:
+            if len(head) < 8 + _VERSION.size or head[:8] != MAGIC:
                 raise PagedStateFileError(f"{path} is not a fadam paged-state file (bad magic)")
-            _, version, _, file_id, digest, desc_offset, desc_length = _HEADER.unpack(head)
-            if version != FORMAT_VERSION:
-                raise PagedStateFileError(f"{path} has format version {version}; this fadam reads {FORMAT_VERSION}")
+            _check_version(path, _VERSION.unpack_from(head, 8)[0])
+            if len(head) < _HEADER.size:
+                raise PagedStateFileError(f"{path} is truncated: its header ends early")
+            _, _, _, file_id, digest, desc_offset, desc_length, table_offset = _HEADER.unpack(head)
             if desc_length <= 0:
                 raise PagedStateFileError(f"{path} is incomplete: its creation was interrupted (no description)")
             raw = os.pread(fd, desc_length, desc_offset)
             if len(raw) != desc_length or hashlib.sha256(raw).digest() != digest:
                 raise PagedStateFileError(f"{path} is truncated or corrupt: its description does not match its hash")
             description = json.loads(raw)
-            offsets = [chunk["offset"] for chunk in description["chunks"]]
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, file_id, description, offsets)
+        return cls(path, fd, file_id, description, table_offset)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -219,10 +252,10 @@ class StateFile:
         if len(raw) != _RECORD.size + 4:
             return None
         body, (crc,) = raw[: _RECORD.size], struct.unpack("<I", raw[_RECORD.size :])
-        magic, serial, generation, record_slot = _RECORD.unpack(body)
+        magic, serial, generation, record_slot, table_crc = _RECORD.unpack(body)
         if magic != RECORD_MAGIC or zlib.crc32(body + self._salt()) != crc or record_slot != slot:
             return None
-        return Commit(serial, generation, slot)
+        return Commit(serial, generation, slot, table_crc)
 
     def _salt(self) -> bytes:
         # ties a record to this file's id, so a record copied from another file never validates
@@ -232,7 +265,7 @@ class StateFile:
         if commit is None:
             raw = bytes(_RECORD.size + 4)
         else:
-            body = _RECORD.pack(RECORD_MAGIC, commit.serial, commit.generation, slot)
+            body = _RECORD.pack(RECORD_MAGIC, commit.serial, commit.generation, slot, commit.table_crc)
             raw = body + struct.pack("<I", zlib.crc32(body + self._salt()))
         self._pwrite(raw, _RECORD_OFFSETS[slot])
         if durable:
@@ -274,10 +307,45 @@ class StateFile:
         self._write_record(target, None, durable)
         return Commit(serial, read.generation + 1, target)
 
-    def commit(self, commit: Commit, durable: bool) -> None:
+    def commit(self, commit: Commit, checksums: list[int], durable: bool) -> None:
+        """Writes the slot's checksum table (one CRC-32 per chunk), then the record that makes the slot current."""
+        table = struct.pack(f"<{len(checksums)}I", *checksums)
+        self._pwrite(table, self._table_at(commit.slot))
         if durable:
             os.fsync(self.fd)  # the data reaches the disk before the record that makes it current
-        self._write_record(commit.slot, commit, durable)
+        self._write_record(commit.slot, replace(commit, table_crc=zlib.crc32(table)), durable)
+
+    def _table_at(self, slot: int) -> int:
+        return self.table_offset + slot * 4 * len(self.chunk_sizes)
+
+    def verify(self, commit: Commit) -> None:
+        """Checks every chunk of ``commit``'s slot against the checksums committed with it; raises on a mismatch."""
+        size = 4 * len(self.chunk_sizes)
+        table = os.pread(self.fd, size, self._table_at(commit.slot))
+        if len(table) != size or zlib.crc32(table) != commit.table_crc:
+            raise PagedStateFileError(
+                f"{self.path} is corrupt: the checksum table of commit {commit.serial} does not match its record"
+            )
+        for k, expected in enumerate(struct.unpack(f"<{len(self.chunk_sizes)}I", table)):
+            if k + 1 < len(self.chunk_sizes):
+                self.advise(k + 1, commit.slot)
+            found = self._checksum(k, commit.slot)
+            if found != expected:
+                raise PagedStateFileError(
+                    f"{self.path} is corrupt: chunk {k} of commit {commit.serial} has CRC-32 {found:08x}, "
+                    f"its commit recorded {expected:08x}"
+                )
+
+    def _checksum(self, chunk: int, slot: int) -> int:
+        """The CRC-32 of a chunk's state leaves in ``slot``, in the order ``write`` extends it."""
+        size = self.chunk_sizes[chunk]
+        if size == 0:
+            return 0
+        offset = self.chunk_offsets[chunk] + slot * size
+        places = described_places(self.description["chunks"][chunk])
+        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
+        with mapped, memoryview(mapped) as data:
+            return leaves_crc(data, places)
 
     # data -------------------------------------------------------------------------------------------------------
     def window(self, chunk: int, slot: int) -> torch.Tensor:
@@ -308,15 +376,18 @@ class StateFile:
                 raise PagedStateFileError(f"{self.path} is truncated: chunk {chunk} ends early")
             done += n
 
-    def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor) -> None:
-        """Writes one leaf with ``pwrite``: one copy into the page cache, no page faults, nothing left mapped."""
+    def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor, crc: int) -> int:
+        """Writes one leaf with ``pwrite``: one copy into the page cache, no page faults, nothing left mapped.
+
+        Returns ``crc`` extended over the leaf's bytes, computed from the memory written: the chunk's checksum when
+        its leaves are written in order of offset, starting from 0.
+        """
         if place.nbytes == 0:
-            return
+            return crc
         tensor = tensor.detach().to("cpu").contiguous()
-        data = (ctypes.c_char * place.nbytes).from_address(tensor.data_ptr())
-        self._pwrite(
-            memoryview(data).cast("B"), self.chunk_offsets[chunk] + slot * self.chunk_sizes[chunk] + place.offset
-        )
+        data = memoryview((ctypes.c_char * place.nbytes).from_address(tensor.data_ptr())).cast("B")
+        self._pwrite(data, self.chunk_offsets[chunk] + slot * self.chunk_sizes[chunk] + place.offset)
+        return zlib.crc32(data, crc)
 
     def advise(self, chunk: int, slot: int) -> None:
         """Starts reading a chunk's slot into the page cache in the background (overlaps disk reads with compute)."""
@@ -335,6 +406,7 @@ class _Builder:
         self.file_id = secrets.randbits(63)
         self.end = PAGE
         self.chunks: list[dict] = []
+        self.checksums: list[int] = []  # of slot 0, which holds the initial state
 
     def reserve(self, size: int) -> int:
         offset = self.end
@@ -349,23 +421,29 @@ class _Builder:
     def add_chunk(self, chunk: dict, leaves: list[torch.Tensor], places: list[LeafPlace]) -> None:
         offset = self.reserve(chunk["size"])
         self.chunks.append({**chunk, "offset": offset})
+        crc = 0
         if chunk["size"]:
             mapped = mmap.mmap(self.fd, chunk["size"], access=mmap.ACCESS_WRITE, offset=offset)
             buffer = torch.frombuffer(mapped, dtype=torch.uint8)
             for place in places:
                 view_leaf(buffer, place).copy_(leaves[place.index])
+            with memoryview(mapped) as data:
+                crc = leaves_crc(data, places)
             del buffer
             mapped.close()
+        self.checksums.append(crc)
 
     def finish(self, durable: bool) -> None:
         description = {"version": FORMAT_VERSION, "chunks": self.chunks}
         raw = json.dumps(description, sort_keys=True).encode()
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.file_id, hashlib.sha256(raw).digest(), self.end, len(raw))
-        state_file = StateFile(self.path, self.fd, self.file_id, description, [])
-        for data, offset in ((raw, self.end), (header, 0)):
+        table_offset, desc_offset = self.end, self.end + 2 * 4 * len(self.chunks)
+        digest = hashlib.sha256(raw).digest()
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.file_id, digest, desc_offset, len(raw), table_offset)
+        state_file = StateFile(self.path, self.fd, self.file_id, description, table_offset)
+        for data, offset in ((raw, desc_offset), (header, 0)):
             state_file._pwrite(data, offset)
-        state_file._write_record(0, Commit(1, 0, 0), durable=False)
         state_file._write_record(1, None, durable=False)
+        state_file.commit(Commit(1, 0, 0), self.checksums, durable=False)
         if durable:
             os.fsync(self.fd)  # a new checkpoint is on the disk before it replaces the old one
 

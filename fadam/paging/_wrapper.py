@@ -195,6 +195,7 @@ class _Session:
                 )
             self.read_commit = state_file.find(int(state.serial))
             self.write_commit: Commit | None = None
+            self.checksums = [0] * len(state_file.chunk_sizes)  # of the chunks written, extended leaf by leaf
 
     def begin(self) -> None:
         if self.file is None:
@@ -220,7 +221,8 @@ class _Session:
         return self.staging[:size]
 
     def store(self, k: int, place: LeafPlace, leaf: torch.Tensor) -> None:
-        self.file.write(k, self.write_commit.slot, place, leaf)
+        """Writes one leaf of chunk ``k``; the leaves of a chunk come in order of offset, as its checksum needs."""
+        self.checksums[k] = self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
 
     def advise(self, k: int) -> None:
         if self.file is not None:
@@ -231,7 +233,7 @@ class _Session:
         if self.file is None:
             state.slot_serials[self.write_slot] = self.new_serial
             return state._replace(serial=torch.tensor(self.new_serial, dtype=torch.int64))
-        self.file.commit(self.write_commit, self.durable)
+        self.file.commit(self.write_commit, self.checksums, self.durable)
         return state._replace(serial=torch.tensor(self.write_commit.serial, dtype=torch.int64))
 
 
@@ -280,9 +282,13 @@ def page_state(
     ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
     optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
     killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
-    is reported as incomplete. An ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that killed inits left
-    behind, where that process is gone. ``durable=True`` also flushes to the disk before each commit (power-loss
-    safety, at the cost of writing the state to the disk every step).
+    is reported as incomplete. Each commit records a CRC-32 of every chunk it wrote, computed from the bytes written
+    (one more pass over the state in memory each step, not a read of the file); ``resume=True`` reads the committed
+    state once to check it and refuses a file whose data does not match, naming the chunk. Updates do not re-check
+    what they read (that would be a second pass over the state every step). A file written before the state was
+    checksummed (format version 1) is refused. An ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that
+    killed inits left behind, where that process is gone. ``durable=True`` also flushes to the disk before each
+    commit (power-loss safety, at the cost of writing the state to the disk every step).
 
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
@@ -396,7 +402,9 @@ def page_state(
                         f"{file_path} holds the state of a different model or optimizer: "
                         f"{_first_difference(stripped, expected)}"
                     )
-                serial, store_id = state_file.latest().serial, state_file.file_id
+                latest = state_file.latest()
+                state_file.verify(latest)
+                serial, store_id = latest.serial, state_file.file_id
             finally:
                 state_file.close()
         else:
