@@ -5,6 +5,7 @@ torch.optim's per-param dicts and fadam's functional state, so a run can switch 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -210,9 +211,10 @@ class Optimizer(torch.optim.Optimizer):
     dicts, each of which may carry its own ``tx`` and ``lr``. ``step`` updates the params in place, as torch.optim
     does (through ``fadam.step(..., donate=True)``, so the aliases with a fused torch kernel run it).
 
-    A param listed twice is refused (torch.optim only warns, and its for-loop, foreach and fused Adam then give three
-    different results), and so are two different params whose memory overlaps (views of one buffer, which would
-    each be updated on their own). Tied weights are one Parameter: ``model.parameters()`` lists them once.
+    A param listed twice in a group is stepped once, with a warning (torch.optim warns too, and its for-loop, foreach
+    and fused Adam then give three different results); two different params whose memory overlaps (views of one
+    buffer, which would each be updated on their own) are refused. Tied weights are one Parameter:
+    ``model.parameters()`` lists them once.
 
     ``param_groups[i]["lr"]`` drives the step, so every ``torch.optim.lr_scheduler`` works. How it reaches the
     transform depends on what ``tx`` is:
@@ -269,24 +271,30 @@ class Optimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         return dict(zip(names, leaves)) if names is not None else list(leaves)
 
-    def _check_params(self, entries: Sequence[Any]) -> None:
-        """Refuses a new group's duplicate names, duplicate params and params overlapping any param in memory."""
+    def _unique_params(self, entries: Sequence[Any]) -> list[Any]:
+        """A new group's entries with each param once, warning as torch.optim does when one is listed twice; refuses
+        duplicate names and params overlapping any param in memory."""
         index = len(self.param_groups)
         named = [isinstance(e, tuple) for e in entries]
         names = [e[0] for e in entries] if entries and all(named) else None
-        mine = _labelled([e[1] if is_named else e for e, is_named in zip(entries, named)], names)
-        mine = [(label, p) for label, p in mine if isinstance(p, torch.Tensor)]  # torch.optim refuses the others
         if names is not None and len(set(names)) != len(names):
             raise ValueError(f"param group {index}: param names in a group must be unique, got {names}")
-        first: dict[int, str] = {}
-        for label, p in mine:
-            if id(p) in first:
-                raise ValueError(
-                    f"param group {index}: {first[id(p)]} and {label} are the same tensor; list each param once "
-                    "(torch.optim warns, and its for-loop, foreach and fused implementations step such a param "
-                    "differently)"
-                )
-            first[id(p)] = label
+        labelled = _labelled([e[1] if is_named else e for e, is_named in zip(entries, named)], names)
+        seen: set[int] = set()
+        unique, mine = [], []
+        for entry, (label, p) in zip(entries, labelled):
+            if isinstance(p, torch.Tensor):  # torch.optim refuses the others
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                mine.append((label, p))
+            unique.append(entry)
+        if len(unique) != len(entries):
+            warnings.warn(
+                f"param group {index} is a parameter group with duplicate parameters: fadam steps each param once "
+                "(torch.optim's for-loop steps it twice, its foreach and fused implementations otherwise)",
+                stacklevel=4,
+            )
         _check_no_overlap(
             [
                 (f"param group {i} {label}", p)
@@ -295,12 +303,13 @@ class Optimizer(torch.optim.Optimizer):
             ]
             + [(f"param group {index} {label}", p) for label, p in mine]
         )
+        return unique
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
         if not isinstance(params, set):  # torch.optim refuses a set
-            param_group["params"] = params = [params] if isinstance(params, torch.Tensor) else list(params)
-            self._check_params(params)
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = self._unique_params(params)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         spec = group.pop("tx")
