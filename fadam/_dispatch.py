@@ -8,7 +8,9 @@ Transforms describe their math per leaf; this module says when a faster executio
   partial result that ``fadam._tree.tree_global_norm`` reduces across ranks explicitly. DTensors are never fused.
 - *fused kernels* (``torch._fused_adam_`` and friends): in-place multi-tensor kernels that exist on CPU and CUDA in
   torch 2.13. They have no autograd and no vmap batching rule, so they are used only for plain tensors that need no
-  graph. ``fadam.step`` uses them for the aliases that match a fused kernel.
+  graph. They walk a leaf's param, gradient and state as flat arrays of one layout, so every tensor must be
+  contiguous (a strided view would be written past its elements, a transposed param read against a contiguous
+  gradient). ``fadam.step`` uses them for the aliases that match a fused kernel.
 
 Measured on a 2-core CPU with torch 2.13 (benchmarks/bench_adam.py): the out-of-place ``torch._foreach_*`` ops are
 slower than a per-leaf loop on CPU (93 ms vs 40 ms for a pure Adam step over 200 tensors of 84k elements), so the pure
@@ -64,8 +66,9 @@ def can_write_in_place(tensor: torch.Tensor) -> bool:
 
 
 def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:
-    """Whether every tensor is present, plain (``is_plain``) and on a fused device: one leaf's check costs little, but
-    a step checks several per leaf, so tracing and grad mode are asked once for all of them."""
+    """Whether every tensor is present, plain (``is_plain``), contiguous and on a fused device: what a fused kernel
+    needs of each tensor it walks. One leaf's check costs little, but a step checks several per leaf, so tracing and
+    grad mode are asked once for all of them."""
     if torch.compiler.is_compiling():  # functorch_wrapped's answer while tracing
         return False
     grad_enabled = torch.is_grad_enabled()
@@ -76,15 +79,16 @@ def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:
         and tensor.layout == torch.strided
         and not wrapped(tensor)
         and not (grad_enabled and tensor.requires_grad)
+        and tensor.is_contiguous()
         and (tensor.is_cpu or tensor.is_cuda)  # FUSED_DEVICE_TYPES
         for tensor in tensors
     )
 
 
 def plain_on_device(tensors: Sequence[torch.Tensor], like: torch.Tensor, grad_enabled: bool) -> bool:
-    """Whether every tensor is plain (``is_plain``, with ``grad_enabled`` for ``torch.is_grad_enabled()``) and on
-    ``like``'s device, a CPU or CUDA one: a step's per-leaf check, with tracing (``functorch_wrapped``'s answer then)
-    and grad mode asked once per step by the caller."""
+    """Whether every tensor is plain (``is_plain``, with ``grad_enabled`` for ``torch.is_grad_enabled()``),
+    contiguous (as ``plain_on_fused_devices``) and on ``like``'s device, a CPU or CUDA one: a step's per-leaf check,
+    with tracing (``functorch_wrapped``'s answer then) and grad mode asked once per step by the caller."""
     cpu = like.is_cpu
     if not (cpu or like.is_cuda):  # FUSED_DEVICE_TYPES
         return False
@@ -96,6 +100,7 @@ def plain_on_device(tensors: Sequence[torch.Tensor], like: torch.Tensor, grad_en
             or tensor.layout != strided
             or wrapped(tensor)
             or (grad_enabled and tensor.requires_grad)
+            or not tensor.is_contiguous()
             or not (tensor.is_cpu if cpu else tensor.is_cuda and tensor.get_device() == index)
         ):
             return False
@@ -103,7 +108,8 @@ def plain_on_device(tensors: Sequence[torch.Tensor], like: torch.Tensor, grad_en
 
 
 def can_fuse(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """Whether an in-place fused kernel may run on these tensors (none missing, all plain, on a fused device)."""
+    """Whether an in-place fused kernel may run on these tensors (none missing, all plain and contiguous, on a fused
+    device, of a fused dtype)."""
     tensors = tuple(tensors)
     if not plain_on_fused_devices(tensors):
         return False
