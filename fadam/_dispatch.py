@@ -22,7 +22,9 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+import optree
 import torch
 from torch._C import _functorch
 
@@ -63,6 +65,75 @@ def can_write_in_place(tensor: torch.Tensor) -> bool:
     """Whether a donated buffer may be updated in place: a plain tensor, or a DTensor (its local shard is written)
     that autograd does not need to track."""
     return is_plain(tensor) or (is_dtensor(tensor) and not (tensor.requires_grad and torch.is_grad_enabled()))
+
+
+def first_overlap(params: Any, grads: Any, state: Any) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Two tensor leaves whose memory overlaps where a donated step would write one of them, as ``(tree, index)``
+    pairs (tree 0 for ``params``, 1 for ``grads``, 2 for ``state``; the index counts that tree's leaves, ``None``
+    leaves included), or ``None`` where there are none. Params and state are written, gradients only read, so two
+    gradients may share memory; anything else may not (tied weights, views of one buffer, a gradient that is a
+    param). Each leaf costs one storage pointer; only leaves of a storage that several use have their byte ranges
+    compared, and ranges that meet count as overlapping even where strides interleave their elements. Tensors without
+    memory (meta, empty) and ``torch.func``-wrapped ones, which no step writes in place, are skipped."""
+    trees = [optree.tree_leaves(tree, none_is_leaf=True) for tree in (params, grads, state)]
+    in_transform = _functorch.maybe_current_level() is not None
+    # one comprehension for the common case, where every pointer is a different storage's
+    pointers = [
+        leaf.untyped_storage().data_ptr() if type(leaf) in PLAIN_TYPES and not in_transform else _storage_pointer(leaf)
+        for leaves in trees
+        for leaf in leaves
+    ]
+    distinct = set(pointers)
+    distinct.discard(0)
+    if len(distinct) == len(pointers) - pointers.count(0):
+        return None
+    users: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    flat = iter(pointers)
+    for which, leaves in enumerate(trees):
+        for index, leaf in enumerate(leaves):
+            pointer = next(flat)
+            if pointer:
+                users.setdefault(pointer, []).append((which, index, leaf.to_local() if is_dtensor(leaf) else leaf))
+    for shared in users.values():
+        found = _overlap_in_storage(shared) if len(shared) > 1 else None
+        if found is not None:
+            return found
+    return None
+
+
+def _storage_pointer(leaf: Any) -> int:
+    """The storage pointer of a leaf that the comprehension in ``first_overlap`` does not read: a DTensor's local
+    shard's (what its in-place update writes), 0 for a ``torch.func``-wrapped tensor or a leaf that is no tensor."""
+    if is_dtensor(leaf):
+        leaf = leaf.to_local()
+    elif type(leaf) not in PLAIN_TYPES:
+        return 0
+    return 0 if _functorch.is_functorch_wrapped_tensor(leaf) else leaf.untyped_storage().data_ptr()
+
+
+def _overlap_in_storage(users: list[tuple[int, int, torch.Tensor]]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """``first_overlap`` among the leaves of one storage: a sweep over their byte ranges in order of start, keeping the
+    range that reaches furthest so far, of any leaf and of a written one (a leaf of tree 0 or 2)."""
+    spans = []
+    for which, index, tensor in users:
+        if not tensor.numel():
+            continue
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size
+        reach = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+        spans.append((start, start + reach * size, which != 1, (which, index)))
+    spans.sort(key=lambda span: span[0])
+    furthest: tuple[int, tuple[int, int]] | None = None  # (end, leaf) of any leaf
+    furthest_written: tuple[int, tuple[int, int]] | None = None
+    for start, end, written, leaf in spans:
+        other = furthest if written else furthest_written
+        if other is not None and other[0] > start:
+            return other[1], leaf
+        if furthest is None or end > furthest[0]:
+            furthest = (end, leaf)
+        if written and (furthest_written is None or end > furthest_written[0]):
+            furthest_written = (end, leaf)
+    return None
 
 
 def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:

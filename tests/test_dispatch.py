@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import fadam
-from fadam._dispatch import can_fuse, is_plain, plain_on_device, plain_on_fused_devices
+from fadam._dispatch import can_fuse, first_overlap, is_plain, plain_on_device, plain_on_fused_devices
 
 
 def test_parameters_are_plain_only_when_autograd_does_not_track_them():
@@ -49,3 +50,55 @@ def test_fused_kernels_take_contiguous_tensors_only():
         assert not plain_on_fused_devices([base, strided])
         assert not plain_on_device([base, strided], base, False)
     assert can_fuse([base[1:3], base[3]])  # contiguous views of a bigger buffer
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "one tensor at two params",
+        "two tensors on one storage",
+        "overlapping slices",
+        "interleaved columns",
+        "a gradient that is a param",
+        "a state leaf that is a param",
+        "a state leaf at two places",
+    ],
+)
+def test_first_overlap_names_two_leaves_sharing_memory_where_one_is_written(case):
+    w, g = torch.zeros(4, 6), torch.zeros(4, 6)
+    params, grads, state = {"a": w, "b": torch.zeros(4, 6)}, {"a": g, "b": g.clone()}, {"a": torch.zeros(4, 6)}
+    expected = ((0, 0), (0, 1))
+    if case == "one tensor at two params":
+        params["b"] = w
+    elif case == "two tensors on one storage":
+        params["b"] = w.detach()
+    elif case == "overlapping slices":
+        big = torch.zeros(6, 6)
+        params = {"a": big[:4], "b": big[2:]}
+    elif case == "interleaved columns":  # disjoint elements, but ranges that meet: taken as overlapping
+        big = torch.zeros(4, 12)
+        params = {"a": big[:, ::2], "b": big[:, 1::2]}
+    elif case == "a gradient that is a param":
+        grads["b"] = params["a"]
+        expected = ((0, 0), (1, 1))
+    elif case == "a state leaf that is a param":
+        state["a"] = params["b"]
+        expected = ((0, 1), (2, 0))
+    else:
+        state = {"a": state["a"], "b": state["a"]}
+        expected = ((2, 0), (2, 1))
+    assert first_overlap(params, grads, state) == expected
+
+
+def test_first_overlap_allows_disjoint_views_shared_gradients_and_tensors_without_memory():
+    flat = torch.zeros(100)
+    params = {"a": flat[:40].view(4, 10), "b": flat[40:80].view(4, 10), "c": None, "d": 3.0}
+    grads = {"a": torch.ones(40).view(4, 10)}
+    grads["b"] = grads["a"]  # gradients are only read
+    state = ({"a": torch.empty(4, 10, device="meta"), "b": torch.empty(4, 10, device="meta")}, flat[80:80], flat[80:])
+    assert first_overlap(params, grads, state) is None
+
+
+def test_first_overlap_counts_none_leaves_in_its_indices():
+    w = torch.zeros(3)
+    assert first_overlap({"a": None, "b": w, "c": w}, {}, ()) == ((0, 1), (0, 2))

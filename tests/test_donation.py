@@ -2,7 +2,7 @@
 
 ``fadam.step(..., donate=True)``, and ``fadam.Optimizer``, which always donates, may write results into the buffers of
 params and state. The fused kernels walk a leaf's tensors as flat arrays of one layout, so a leaf with a
-non-contiguous tensor takes the general path.
+non-contiguous tensor takes the general path; leaves that share memory get the results of the step without donation.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -108,6 +109,141 @@ def test_a_non_contiguous_leaf_steps_as_its_contiguous_copy(name, layout, donate
         assert torch.equal(params["w"], general["w"])
         if name not in PAGED:
             _assert_states_equal(state, general_state)
+
+
+TIES = ["one tensor", "state_dict", "overlapping slices"]
+
+
+def _tied_params(tie: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    if tie == "one tensor":
+        w = _randn(gen, *SHAPE)
+        return {"a": w, "b": w}
+    if tie == "state_dict":  # tied weights: a module's state_dict holds one detached tensor per name, on one storage
+        embedding = torch.nn.Embedding(*SHAPE)
+        head = torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False)
+        head.weight = embedding.weight
+        with torch.no_grad():
+            embedding.weight.copy_(_randn(gen, *SHAPE))
+        tensors = torch.nn.ModuleDict({"embedding": embedding, "head": head}).state_dict()
+        return {"a": tensors["embedding.weight"], "b": tensors["head.weight"]}
+    big = _randn(gen, SHAPE[0] + SHAPE[0] // 2, SHAPE[1])  # "overlapping slices": rows 32 to 63 in both
+    return {"a": big[: SHAPE[0]], "b": big[SHAPE[0] // 2 :]}
+
+
+Grads = Callable[[int, Any], Any]  # grads(step, params): the gradients of a step
+
+
+def _pair_grads(gen: torch.Generator) -> Grads:
+    """A gradient for each of params "a" and "b" at each step."""
+    grads = [{"a": _randn(gen, *SHAPE), "b": _randn(gen, *SHAPE)} for _ in range(STEPS)]
+    return lambda i, params: grads[i]
+
+
+def _run(tx, params, state, grads: Grads, donate: bool, aliased_steps: set[int]) -> tuple[Any, Any]:
+    """``STEPS`` steps; a donated step in ``aliased_steps`` must warn that its leaves share memory."""
+    for i in range(STEPS):
+        g = grads(i, params)
+        if donate and i in aliased_steps:
+            with pytest.warns(UserWarning, match="share memory"):
+                params, state = fadam.step(tx, params, g, state, donate=True)
+        else:
+            params, state = fadam.step(tx, params, g, state, donate=donate)
+    return params, state
+
+
+def _assert_runs_equal(name: str, donated: tuple[Any, Any], pure: tuple[Any, Any]) -> None:
+    for key in ("a", "b"):
+        assert torch.equal(donated[0][key], pure[0][key]), key
+    if name not in PAGED:
+        _assert_states_equal(donated[1], pure[1])
+
+
+@pytest.mark.parametrize("tie", TIES)
+@pytest.mark.parametrize("name", DONATED)
+def test_tied_params_get_the_pure_steps_results(name, tie):
+    """Two params on one buffer (one tensor at two leaves, a tied module's state_dict, slices that overlap) are stepped
+    as the pure step steps them, each with its own gradient and state, and the shared buffer is left as it was. The
+    state has run a few steps first, so momentum and second moments differ between the two leaves."""
+    tx = DONATED[name]()
+    runs = []
+    for donate in (True, False):  # each run from its own init: a paged state is a handle to its own buffers
+        gen = torch.Generator().manual_seed(0)
+        tied = _tied_params(tie, gen)
+        separate = {k: p.clone() for k, p in tied.items()}
+        state = _run(tx, {k: p.clone() for k, p in tied.items()}, tx.init(separate), _pair_grads(gen), False, set())[1]
+        params = tied if donate else separate
+        before = {k: p.clone() for k, p in tied.items()}
+        runs.append(_run(tx, params, state, _pair_grads(gen), donate, aliased_steps={0}))
+        for key in tied:
+            assert torch.equal(tied[key], before[key]), key
+    _assert_runs_equal(name, *runs)
+
+
+@pytest.mark.parametrize("name", DONATED)
+def test_a_gradient_that_is_a_param_is_read_as_it_was(name):
+    """A gradient that is another leaf's param is read with that param's value before the step, as the pure step reads
+    it, not after a kernel has written the param."""
+    tx = DONATED[name]()
+    runs = []
+    for donate in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        params = {"a": _randn(gen, *SHAPE), "b": _randn(gen, *SHAPE)}
+        state = tx.init(params)
+        pair = _pair_grads(gen)
+
+        def grads(i: int, params: Any, pair: Grads = pair) -> Any:
+            return {"a": pair(i, params)["a"], "b": params["a"]}
+
+        runs.append(_run(tx, params, state, grads, donate, set(range(STEPS))))
+    _assert_runs_equal(name, *runs)
+
+
+def _share_b_with_a(state: Any) -> Any:
+    """``state`` with each tensor of param "b" replaced by the equal one of param "a" (one tensor at both leaves)."""
+    paths, leaves, spec = optree.tree_flatten_with_path(state, none_is_leaf=True)
+    index = {path: i for i, path in enumerate(paths)}
+    shared = 0
+    for i, path in enumerate(paths):
+        twin = index.get(tuple("a" if key == "b" else key for key in path))
+        if "b" in path and twin is not None and isinstance(leaves[i], torch.Tensor) and leaves[i].numel() > 1:
+            assert torch.equal(leaves[i], leaves[twin])
+            leaves[i] = leaves[twin]
+            shared += 1
+    assert shared
+    return spec.unflatten(leaves)
+
+
+@pytest.mark.parametrize("name", sorted(set(DONATED) - PAGED))
+def test_a_state_leaf_shared_by_two_params_gets_both_updates_apart(name):
+    """Init state where one tensor holds both params' moments (equal at init): each param's moments are updated apart,
+    as the pure step updates them."""
+    tx = DONATED[name]()
+    runs = []
+    for donate in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        params = {"a": _randn(gen, *SHAPE), "b": _randn(gen, *SHAPE)}
+        runs.append(_run(tx, params, _share_b_with_a(tx.init(params)), _pair_grads(gen), donate, {0}))
+    _assert_runs_equal(name, *runs)
+
+
+@pytest.mark.parametrize("name", sorted(set(DONATED) - PAGED - QUANTIZED))  # their moments are codes, not param-sized
+def test_a_state_leaf_that_is_a_param_is_not_written_as_the_param(name):
+    """A state tensor of param "a" that is param "b" itself: the step reads it as state and as a param, each with the
+    value it had, and writes neither into the other."""
+    tx = DONATED[name]()
+    runs = []
+    for donate in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        params = {"a": _randn(gen, *SHAPE), "b": torch.rand(SHAPE, generator=gen)}  # >= 0: a valid second moment
+        paths, leaves, spec = optree.tree_flatten_with_path(tx.init(params), none_is_leaf=True)
+        first = next(
+            i
+            for i, (path, leaf) in enumerate(zip(paths, leaves))
+            if "a" in path and isinstance(leaf, torch.Tensor) and leaf.shape == SHAPE
+        )
+        leaves[first] = params["b"]
+        runs.append(_run(tx, params, spec.unflatten(leaves), _pair_grads(gen), donate, {0}))
+    _assert_runs_equal(name, *runs)
 
 
 TORCH_EQUIVALENTS = {
