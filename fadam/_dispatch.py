@@ -74,12 +74,14 @@ def first_overlap(params: Any, grads: Any, state: Any) -> tuple[tuple[int, int],
     gradients may share memory; anything else may not (tied weights, views of one buffer, a gradient that is a
     param). Each leaf costs one storage pointer; only leaves of a storage that several use have their byte ranges
     compared, and ranges that meet count as overlapping even where strides interleave their elements. Tensors without
-    memory (meta, empty) and ``torch.func``-wrapped ones, which no step writes in place, are skipped."""
+    memory (meta, empty), sparse ones and ``torch.func``-wrapped ones, which no step writes in place, are skipped."""
     trees = [optree.tree_leaves(tree, none_is_leaf=True) for tree in (params, grads, state)]
     in_transform = _functorch.maybe_current_level() is not None
     # one comprehension for the common case, where every pointer is a different storage's
     pointers = [
-        leaf.untyped_storage().data_ptr() if type(leaf) in PLAIN_TYPES and not in_transform else _storage_pointer(leaf)
+        leaf.untyped_storage().data_ptr()
+        if type(leaf) in PLAIN_TYPES and leaf.layout == torch.strided and not in_transform
+        else _storage_pointer(leaf)
         for leaves in trees
         for leaf in leaves
     ]
@@ -106,7 +108,7 @@ def _storage_pointer(leaf: Any) -> int:
     shard's (what its in-place update writes), 0 for a ``torch.func``-wrapped tensor or a leaf that is no tensor."""
     if is_dtensor(leaf):
         leaf = leaf.to_local()
-    elif type(leaf) not in PLAIN_TYPES:
+    elif type(leaf) not in PLAIN_TYPES or leaf.layout != torch.strided:  # a sparse gradient has no one storage
         return 0
     return 0 if _functorch.is_functorch_wrapped_tensor(leaf) else leaf.untyped_storage().data_ptr()
 
