@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from fadam._base import FusedStep, ScalarOrSchedule
+from fadam._base import EmptyState, FusedStep, ScalarOrSchedule
 from fadam._dispatch import can_fuse, group_by_device_dtype, is_plain, real_view
 from fadam._numerics import safe_increment
 from fadam._tree import PyTree, check_leaves
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
 from fadam.transforms._momentum import TraceState
+from fadam.transforms._rms import ScaleByRssState
 from fadam.transforms._scaling import ScaleByScheduleState
 
 
@@ -39,6 +40,20 @@ def _any_tensor(*hyperparams: Any) -> bool:
 def _advance(state: Any) -> Any:
     """The state a count-only member of the chain (schedules, stateless transforms) has after one step."""
     return ScaleByScheduleState(safe_increment(state.count)) if isinstance(state, ScaleByScheduleState) else state
+
+
+def _own_state(state: Any, members: int, index: int | None, kind: type) -> bool:
+    """Whether ``state`` is laid out as the alias's chain leaves it: a tuple of ``members`` states, ``kind`` at
+    ``index`` and count-only states elsewhere (what ``_advance`` steps). Another state is left to the chain's
+    ``update``, whose members refuse it naming what they expected."""
+    return (
+        isinstance(state, tuple)
+        and len(state) == members
+        and all(
+            isinstance(s, kind) if i == index else isinstance(s, (ScaleByScheduleState, EmptyState))
+            for i, s in enumerate(state)
+        )
+    )
 
 
 def _lr_for(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
@@ -73,12 +88,16 @@ def fused_adam_step(
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
+    members: int,
 ) -> FusedStep:
     kernel_fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    adam_kind = ScaleByAmsgradState if amsgrad else ScaleByAdamState
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
         # the kernel takes numbers: a tensor may carry a graph, a schedule is not a number
         if _any_tensor(weight_decay, b1, b2, eps) or callable(weight_decay):
+            return None
+        if not _own_state(state, members, adam_index, adam_kind):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         adam_state = state[adam_index]
@@ -138,9 +157,12 @@ def fused_sgd_step(
     weight_decay: ScalarOrSchedule,
     nesterov: bool,
     maximize: bool,
+    members: int,
 ) -> FusedStep:
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
         if _any_tensor(weight_decay, momentum, dampening) or callable(weight_decay):
+            return None
+        if not _own_state(state, members, trace_index, TraceState):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         bufs = (
@@ -191,11 +213,14 @@ def fused_adagrad_step(
     weight_decay: float | torch.Tensor,
     eps: float,
     maximize: bool,
+    members: int,
 ) -> FusedStep:
     """``torch._fused_adagrad_`` for ``fadam.adagrad`` (real params; the kernel has no complex support)."""
 
     def fused_step(params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
         if any(isinstance(x, torch.Tensor) for x in (weight_decay, lr_decay, eps)):
+            return None
+        if not _own_state(state, members, rss_index, ScaleByRssState):
             return None
         grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         sums = check_leaves(state[rss_index].sum_of_squares, params, what="Adagrad state")[0]

@@ -108,8 +108,10 @@ def adam(
     _check_adam_args(lr, betas, eps, weight_decay)
     head = _head(maximize, weight_decay)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
-    tx = chain(*head, adam_tx, scale_by_learning_rate(lr))
+    members = [*head, adam_tx, scale_by_learning_rate(lr)]
+    tx = chain(*members)
     fused = fused_adam_step(
+        members=len(members),
         adam_index=len(head),
         lr=lr,
         b1=betas[0],
@@ -166,8 +168,10 @@ def adamw(
     _check_adam_args(lr, betas, eps, weight_decay)
     head = _head(maximize, weight_decay, decoupled=True)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
-    tx = chain(*head, adam_tx, scale_by_learning_rate(lr), *_tail(lr, weight_decay, decoupled=True))
+    members = [*head, adam_tx, scale_by_learning_rate(lr), *_tail(lr, weight_decay, decoupled=True)]
+    tx = chain(*members)
     fused = fused_adam_step(
+        members=len(members),
         adam_index=len(head),
         lr=lr,
         b1=betas[0],
@@ -230,6 +234,7 @@ def sgd(
         transforms.append(trace(momentum, nesterov, dampening=dampening, moment_requires_grad=moment_requires_grad))
     tx = chain(*transforms, scale_by_learning_rate(lr))
     fused = fused_sgd_step(
+        members=len(transforms) + 1,
         trace_index=trace_index,
         lr=lr,
         momentum=momentum,
@@ -489,7 +494,13 @@ def adagrad(
         scale_by_learning_rate(_decayed_lr(lr, lr_decay)),
     )
     fused = fused_adagrad_step(
-        rss_index=len(head), lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize
+        members=len(head) + 2,
+        rss_index=len(head),
+        lr=lr,
+        lr_decay=lr_decay,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=maximize,
     )
     return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
 
