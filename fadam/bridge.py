@@ -394,7 +394,21 @@ class Optimizer(torch.optim.Optimizer):
         return f"param group {index}, param {path_str((names[position] if names is not None else position,))}"
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """``{"state": {param index: {state path: tensor}}, "param_groups": [...]}`` (see the class docstring)."""
+        """``{"state": {param index: {state path: tensor}}, "param_groups": [...]}`` (see the class docstring).
+
+        Runs the hooks of ``register_state_dict_pre_hook`` (``hook(optimizer)``) before and of
+        ``register_state_dict_post_hook`` (``hook(optimizer, state_dict)``, which may return a replacement) after, as
+        torch.optim does."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._packed()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        return state_dict
+
+    def _packed(self) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}
         groups, start = [], 0
         for index, group in enumerate(self.param_groups):
@@ -416,7 +430,21 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Loads a ``state_dict`` of a ``fadam.Optimizer`` or a torch.optim optimizer (see the class docstring);
-        raises naming the first mismatch and then loads nothing."""
+        raises naming the first mismatch and then loads nothing.
+
+        As torch.optim does, the hooks of ``register_load_state_dict_pre_hook`` get a shallow copy of ``state_dict``
+        (``hook(optimizer, state_dict)``, which may return a replacement to load) and those of
+        ``register_load_state_dict_post_hook`` run once it is loaded (``hook(optimizer)``)."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        self._load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
