@@ -198,6 +198,38 @@ def _check_no_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> None:
             reach = (device, end, label, ident)
 
 
+class _Given(NamedTuple):
+    """A group's params as they were given, a param listed twice included: what torch.optim numbers."""
+
+    positions: list[int]  # for each entry given, its param's position in the group's params (each listed once)
+    names: list[Any] | None  # the names given, for named params
+
+
+def _per_distinct(given: _Given, indices: Sequence[int]) -> list[int]:
+    """For each of a group's params, the index in ``indices`` (one per entry given) of its first entry."""
+    first: dict[int, int] = {}
+    for position, index in zip(given.positions, indices):
+        first.setdefault(position, index)
+    return [first[position] for position in range(len(first))]
+
+
+def _first_entries(params: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """Which of ``params`` are listed for the first time (their indices), and for each its position among those
+    (what is not a tensor counts as first, for torch.optim to refuse)."""
+    position_of: dict[int, int] = {}  # id of a tensor -> its position among the first entries
+    first: list[int] = []
+    positions = []
+    for index, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and id(p) in position_of:
+            positions.append(position_of[id(p)])
+            continue
+        if isinstance(p, torch.Tensor):
+            position_of[id(p)] = len(first)
+        positions.append(len(first))
+        first.append(index)
+    return first, positions
+
+
 def _labelled(params: Sequence[Any], names: Sequence[Any] | None) -> list[tuple[str, Any]]:
     """Each param with its path in the group's pytree: its name, or its position."""
     return [(path_str((names[i] if names is not None else i,)), p) for i, p in enumerate(params)]
@@ -228,10 +260,11 @@ class Optimizer(torch.optim.Optimizer):
       a multiplier on the transform's own step size; exact while it is unchanged).
 
     The functional state of group ``i`` is ``optimizer.tx_states[i]``. ``state_dict`` lays it out as torch.optim
-    does, by param position: ``"state"`` maps each param's index (numbered across groups in the order the params were
-    given, named or not) to its own leaves, keyed by their path in the state without the param's part
-    (``{"state[0].mu": ..., "state[0].nu": ...}``); leaves shared by a group's params (step counts, injected
-    hyperparameters) are in ``param_groups[i]["tx_state"]``, next to ``params`` (the indices) and ``param_names``.
+    does, by param position: ``"state"`` maps each param's index to its own leaves, keyed by their path in the state
+    without the param's part (``{"state[0].mu": ..., "state[0].nu": ...}``); leaves shared by a group's params (step
+    counts, injected hyperparameters) are in ``param_groups[i]["tx_state"]``, next to ``params`` (the indices) and
+    ``param_names``. The indices are torch.optim's for the same params, named or not: the entries as given are
+    counted across groups, and a param listed twice in a group is listed twice in ``params``, with one number.
     Tensors, numbers and strings only: it loads with ``torch.load(weights_only=True)``. ``load_state_dict`` matches
     params by position, so named and unnamed optimizers load each other's state, checks every entry and leaf against
     the optimizer's own state and loads nothing unless all match. It also takes a torch.optim optimizer's
@@ -261,6 +294,7 @@ class Optimizer(torch.optim.Optimizer):
         self._txs: list[GradientTransformation] = []
         self._modes: list[str] = []
         self._base_lrs: list[float] = []
+        self._given: list[_Given] = []
         self.tx_states: list[PyTree] = []
         super().__init__(params, {"lr": lr, "tx": tx})
 
@@ -271,45 +305,40 @@ class Optimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         return dict(zip(names, leaves)) if names is not None else list(leaves)
 
-    def _unique_params(self, entries: Sequence[Any]) -> list[Any]:
-        """A new group's entries with each param once, warning as torch.optim does when one is listed twice; refuses
-        duplicate names and params overlapping any param in memory."""
+    def _unique_params(self, entries: Sequence[Any]) -> tuple[list[Any], _Given]:
+        """A new group's entries with each param once, warning as torch.optim does when one is listed twice, and how
+        they were given; refuses one name for two params and params overlapping any param in memory."""
         index = len(self.param_groups)
         named = [isinstance(e, tuple) for e in entries]
         names = [e[0] for e in entries] if entries and all(named) else None
-        if names is not None and len(set(names)) != len(names):
-            raise ValueError(f"param group {index}: param names in a group must be unique, got {names}")
         labelled = _labelled([e[1] if is_named else e for e, is_named in zip(entries, named)], names)
-        seen: set[int] = set()
-        unique, mine = [], []
-        for entry, (label, p) in zip(entries, labelled):
-            if isinstance(p, torch.Tensor):  # torch.optim refuses the others
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                mine.append((label, p))
-            unique.append(entry)
+        first, positions = _first_entries([p for _, p in labelled])
+        unique = [entries[i] for i in first]
+        if names is not None and len({e[0] for e in unique}) != len(unique):
+            raise ValueError(f"param group {index}: param names in a group must be unique, got {names}")
         if len(unique) != len(entries):
             warnings.warn(
                 f"param group {index} is a parameter group with duplicate parameters: fadam steps each param once "
                 "(torch.optim's for-loop steps it twice, its foreach and fused implementations otherwise)",
                 stacklevel=4,
             )
+        mine = [labelled[i] for i in first]
         _check_no_overlap(
             [
                 (f"param group {i} {label}", p)
                 for i, group in enumerate(self.param_groups)
                 for label, p in _labelled(group["params"], group.get("param_names"))
             ]
-            + [(f"param group {index} {label}", p) for label, p in mine]
+            + [(f"param group {index} {label}", p) for label, p in mine if isinstance(p, torch.Tensor)]
         )
-        return unique
+        return unique, _Given(positions, names)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
+        given = _Given([], None)
         if not isinstance(params, set):  # torch.optim refuses a set
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            param_group["params"] = self._unique_params(params)
+            param_group["params"], given = self._unique_params(params)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         spec = group.pop("tx")
@@ -345,6 +374,7 @@ class Optimizer(torch.optim.Optimizer):
         self._txs.append(tx)
         self._modes.append(mode)
         self._base_lrs.append(_lr_value(group["lr"]))
+        self._given.append(given)
         self.tx_states.append(state)
 
     # --- stepping ---------------------------------------------------------------------------------------------------
@@ -408,11 +438,24 @@ class Optimizer(torch.optim.Optimizer):
                 state_dict = replaced
         return state_dict
 
+    def _numbering(self) -> list[list[int]]:
+        """Each group's ``params`` in ``state_dict``, numbered as torch.optim numbers the params as given: the
+        entries are counted across groups, and each param takes the number of its last entry in its group."""
+        numbers: dict[int, int] = {}  # id of a param -> its number
+        numbering, start = [], 0
+        for group, given in zip(self.param_groups, self._given):
+            listed = [group["params"][position] for position in given.positions]
+            numbers.update({id(p): i for i, p in enumerate(listed, start) if id(p) not in numbers})
+            numbering.append([numbers[id(p)] for p in listed])
+            start += len(listed)
+        return numbering
+
     def _packed(self) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}
-        groups, start = [], 0
-        for index, group in enumerate(self.param_groups):
+        groups = []
+        for index, (group, numbers) in enumerate(zip(self.param_groups, self._numbering())):
             slots, positions = self._layout(index)
+            keys = _per_distinct(self._given[index], numbers)
             shared: dict[str, Any] = {}
             for leaf, slot in zip(tree_leaves(self.tx_states[index]), slots):
                 if leaf is None:
@@ -420,12 +463,13 @@ class Optimizer(torch.optim.Optimizer):
                 if slot.param is None:
                     shared[slot.key] = leaf
                 else:
-                    state.setdefault(start + positions[slot.param], {})[slot.key] = leaf
+                    state.setdefault(keys[positions[slot.param]], {})[slot.key] = leaf
             packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(start, start + len(group["params"])))
+            packed["params"] = numbers
+            if self._given[index].names is not None:
+                packed["param_names"] = list(self._given[index].names)
             packed["tx_state"] = shared
             groups.append(packed)
-            start += len(group["params"])
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -450,11 +494,11 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
             )
-        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved["params"]) != len(group["params"]):
+        for index, (given, saved) in enumerate(zip(self._given, saved_groups)):
+            if len(saved["params"]) != len(given.positions):
                 raise ValueError(
                     f"param group {index}: state_dict has {len(saved['params'])} params, "
-                    f"this optimizer {len(group['params'])}"
+                    f"this optimizer {len(given.positions)}"
                 )
         if any(isinstance(entry, list) for entry in saved_state.values()):
             load = self._load_leaves
@@ -471,7 +515,7 @@ class Optimizer(torch.optim.Optimizer):
         """Group ``index``'s state from this class's ``state_dict`` layout, checked entry by entry and leaf by leaf."""
         slots, positions = self._layout(index)
         current, spec = tree_flatten(self.tx_states[index])
-        entries = [saved_state.get(i, {}) for i in saved["params"]]
+        entries = [saved_state.get(i, {}) for i in _per_distinct(self._given[index], saved["params"])]
         expected: list[set[str]] = [set() for _ in positions]
         for leaf, slot in zip(current, slots):
             if leaf is not None and slot.param is not None:
@@ -520,7 +564,7 @@ class Optimizer(torch.optim.Optimizer):
         """Group ``index``'s state converted from a torch.optim ``state_dict``, its params matched by position."""
         group = self.param_groups[index]
         params = self._tree(group, [p.detach() for p in group["params"]])
-        by_position = [saved_state.get(i, {}) for i in saved["params"]]
+        by_position = [saved_state.get(i, {}) for i in _per_distinct(self._given[index], saved["params"])]
         try:
             return _convert_from_torch([by_position[i] for i in _given_order(params)], self._txs[index], params, None)
         except ValueError as error:

@@ -3,6 +3,7 @@ run side by side with a torch.optim optimizer doing the same."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -123,3 +124,71 @@ def test_step_hooks_and_the_global_step_hooks_run_as_for_torch():
     logged = _both(run)
     assert logged[:4] == ["global pre", ("pre", True, 1), ("post", ["closure"]), "global post"]
     assert logged[4] == ("loss", 42.0)
+
+
+# --- state_dict numbering -----------------------------------------------------------------------------------------
+
+
+def _params(count: int) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.full((k + 1,), float(k + 1))) for k in range(count)]
+
+
+def _groups(ps: list[torch.nn.Parameter], layout: list[list[int]], named: bool) -> list[dict]:
+    """Param groups listing ``ps[k]`` for each ``k`` of each inner list (a param listed twice in a group included)."""
+    return [{"params": [(f"p{k}", ps[k]) if named else ps[k] for k in ks]} for ks in layout]
+
+
+LAYOUTS = {
+    "one group": [[0, 1, 2]],
+    "sizes 1, 3, 2": [[2], [0, 3, 1], [5, 4]],
+    "listed twice": [[0, 1, 0], [2, 3]],
+    "twice in a later group": [[4], [0, 3, 0, 1], [2]],
+    "three times": [[1, 1, 1], [0]],
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*duplicate parameters")
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_state_dict_numbers_params_as_torch_does(layout, named):
+    ps = _params(6)
+    ours = fadam.Optimizer(_groups(ps, layout, named), functools.partial(fadam.sgd, momentum=0.9), lr=0.1)
+    theirs = torch.optim.SGD(_groups(ps, layout, named), lr=0.1, momentum=0.9)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    ours.step()
+    theirs.step()  # steps a param listed twice twice: only the state's keys are compared
+    mine, torchs = ours.state_dict(), theirs.state_dict()
+    for group, reference in zip(mine["param_groups"], torchs["param_groups"]):
+        assert group["params"] == reference["params"]
+        assert group.get("param_names") == reference.get("param_names")
+    assert sorted(mine["state"]) == sorted(torchs["state"])
+    for number, entry in mine["state"].items():  # each number holds the state of the param torch gives it
+        assert entry["state[0].trace"].shape == torchs["state"][number]["momentum_buffer"].shape
+
+
+@pytest.mark.filterwarnings("ignore:.*duplicate parameters")
+def test_a_torch_state_dict_of_a_group_listing_a_param_twice_loads():
+    ps = _params(4)
+    layout = [[0, 1, 0], [3, 2]]
+    reference = torch.optim.Adam(_groups(ps, layout, False), lr=0.1)
+    reference.param_groups[0]["params"] = [ps[0], ps[1]]  # stepped once, as fadam steps it
+    for p in ps:
+        p.grad = torch.arange(p.numel(), dtype=p.dtype) + 1.0
+    reference.step()
+    reference.param_groups[0]["params"] = [ps[0], ps[1], ps[0]]
+    ours = fadam.Optimizer(_groups(ps, layout, False), fadam.adam, lr=0.5)
+    ours.load_state_dict(reference.state_dict())
+    assert ours.param_groups[0]["lr"] == 0.1
+    for group, tx_state in zip(ours.param_groups, ours.tx_states):
+        for p, mu in zip(group["params"], tx_state[0].mu):
+            assert torch.equal(mu, reference.state[p]["exp_avg"])
+
+
+def test_one_name_for_two_params_is_refused_and_a_named_entry_listed_twice_is_one_param():
+    ps = _params(2)
+    with pytest.raises(ValueError, match=r"param group 0: param names in a group must be unique, got \['a', 'a'\]"):
+        fadam.Optimizer([("a", ps[0]), ("a", ps[1])], fadam.sgd, lr=0.1)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = fadam.Optimizer([("a", ps[0]), ("b", ps[1]), ("a", ps[0])], fadam.sgd, lr=0.1)
+    assert opt.param_groups[0]["params"] == ps and opt.param_groups[0]["param_names"] == ["a", "b"]
