@@ -3,8 +3,10 @@ import torch
 from torch.func import vmap
 
 from fadam.quantization import dequantize_blockwise, dynamic_map, quantize_blockwise
-from fadam.quantization._codec import expected_sizes
-from fadam.quantization._maps import MAP_IDS, encode, tables_on
+from fadam.quantization._codec import QuantizedArray, expected_sizes
+from fadam.quantization._maps import MAP_IDS, code_maps, encode, tables_on
+
+INF, NAN = float("inf"), float("nan")
 
 
 def roundtrip(x, bits=8, block=256):
@@ -80,18 +82,58 @@ def test_non_contiguous_and_bf16_inputs():
     assert yb.dtype == torch.float32 and ((yb - xb.float()).norm() / xb.float().norm()) < 0.015
 
 
-def test_non_finite_entries_do_not_set_the_scale():
+def test_nan_is_stored_as_zero_and_never_sets_the_scale():
     torch.manual_seed(0)
     x = torch.randn(512)
     bad = x.clone()
-    bad[3], bad[300], bad[301] = float("inf"), float("nan"), float("-inf")
+    bad[3], bad[300] = NAN, NAN
     q, y = roundtrip(bad)
-    finite = torch.isfinite(bad)
-    assert torch.isfinite(q.absmax).all()
-    assert q.absmax[0] == x[:256][finite[:256]].abs().max()
-    assert y[3] == q.absmax[0] and y[300] == 0 and y[301] == -q.absmax[1]
-    _, y_clean = roundtrip(torch.where(finite, bad, 0.0))
-    assert torch.equal(y[finite], y_clean[finite])
+    assert torch.equal(q.absmax, roundtrip(torch.where(bad.isnan(), 0.0, bad))[0].absmax)
+    assert y[3] == 0 and y[300] == 0
+    assert torch.equal(y, roundtrip(torch.where(bad.isnan(), 0.0, bad))[1])
+
+
+@pytest.mark.parametrize(("bits", "block"), [(8, 256), (4, 128)])
+def test_infinities_round_trip_and_the_block_keeps_its_finite_entries(bits, block):
+    torch.manual_seed(bits)
+    x = torch.randn(2 * block)
+    bad = x.clone()
+    bad[3], bad[7], bad[9] = INF, -INF, NAN  # all in block 0; block 1 is finite
+    q, y = roundtrip(bad, bits, block)
+    finite_max = torch.where(bad.isfinite(), bad.abs(), 0.0)[:block].max()
+    assert q.absmax[0] == -finite_max and q.absmax[1] == x[block:].abs().max()  # the flag: a negated scale
+    assert y[3] == INF and y[7] == -INF and y[9] == 0
+    assert torch.equal(y[block:], roundtrip(x[block:], bits, block)[1])  # the finite block as if alone
+    finite = bad[:block].isfinite()
+    finite[9] = False
+    # finite entries: the map's resolution over [-absmax, absmax], none decoded as an infinity
+    values = code_maps()[int(q.map_id), 256:]
+    steps = values[values.isfinite()].diff().max() * finite_max
+    assert bool(((y[:block] - bad[:block]).abs()[finite] <= steps / 2 * (1 + 1e-6)).all())
+    argmax = torch.where(finite, bad[:block].abs(), 0.0).argmax()
+    assert y[argmax] == bad[argmax]  # the largest finite entry is exact, as in a finite block
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_block_of_infinities_decodes_as_infinities(bits, sign):
+    x = torch.full((256,), sign * INF)
+    x[:5] = 0.0
+    q, y = roundtrip(x, bits, 128)
+    assert torch.equal(q.absmax, torch.full((2,), -torch.finfo(torch.float32).tiny))  # a finite reciprocal
+    assert torch.equal(y[5:], x[5:])
+    if not (bits == 4 and sign > 0):  # the zero-free 4-bit map decodes 0 as a sixteenth of the scale
+        assert torch.equal(y[:5], torch.zeros(5))
+    assert bool((y[:5].abs() < 1e-38).all())
+
+
+def test_tiny_entries_next_to_an_infinity_stay_finite():
+    # 1 / 1e-40 overflows: the block's scale is raised to 2**-126, so its finite entries never encode as +-1 (inf)
+    x = torch.tensor([1e-40, -3e-41, 0.0, INF])
+    q, y = roundtrip(x, bits=8, block=4)
+    assert q.absmax.item() == -torch.finfo(torch.float32).tiny
+    assert y[3] == INF and bool(y[:3].isfinite().all())
+    assert y[0] > 0 and y[1] < 0 and y[2] == 0
 
 
 def test_blocks_normalise_by_the_absmax_reciprocal():
@@ -130,12 +172,23 @@ def test_vmap_gives_each_member_its_own_blocks(bits):
     stacked = torch.randn(3, 1000) * torch.tensor([[1e-4], [1.0], [1e3]])
     stacked[1] = stacked[1].abs()  # one member non-negative: its own map
     q = vmap(lambda x: quantize_blockwise(x, bits, 128))(stacked)
-    y = vmap(lambda c, a, i: dequantize_blockwise(type(q)(c, a, i), (1000,), bits, 128))(*q)
+    y = vmap(lambda c, a, i: dequantize_blockwise(QuantizedArray(c, a, i), (1000,), bits, 128))(*q)
     for k in range(3):
         qk = quantize_blockwise(stacked[k], bits, 128)
         assert torch.equal(q.codes[k], qk.codes) and torch.equal(q.absmax[k], qk.absmax)
         assert torch.equal(q.map_id[k], qk.map_id)
         assert torch.equal(y[k], dequantize_blockwise(qk, (1000,), bits, 128))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_vmap_keeps_each_members_infinities(bits):
+    torch.manual_seed(0)
+    stacked = torch.randn(2, 300)
+    stacked[1, 7] = INF
+    q = vmap(lambda x: quantize_blockwise(x, bits, 128))(stacked)
+    y = vmap(lambda *q: dequantize_blockwise(QuantizedArray(*q), (300,), bits, 128))(*q)
+    assert bool(y[0].isfinite().all()) and y[1, 7] == INF and int((~y.isfinite()).sum()) == 1
+    assert torch.equal(q.absmax[1], quantize_blockwise(stacked[1], bits, 128).absmax)
 
 
 def test_bad_bits():

@@ -250,3 +250,24 @@ def test_errors_name_the_leaf():
         fadam.quantize_state(fadam.scale_by_adam(), bits=2)
     with pytest.raises(ValueError, match="block_size"):
         fadam.quantize_state(fadam.scale_by_adam(), block_size=7)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_state_of_a_chain_keeps_an_overflowed_second_moment_infinite(bits):
+    # quantize_state around a whole chain (fadam.adam: scale_by_adam, then the lr): gradients of 1e38 overflow g * g,
+    # and the stored nu keeps the infinity on every later step, so its updates stay 0 and the params finite
+    params = {"w": torch.zeros(64, 128)}
+    tx = fadam.quantize_state(fadam.adam(lr=1e-2), bits=bits, min_size=256)
+    state = tx.init(params)
+    huge = torch.zeros(64, 128)
+    huge[:2] = 1e38  # whole blocks of infinities
+    huge[5, :3] = -1e38  # a few infinities among finite entries
+    overflowed = huge != 0
+    for step in range(5):
+        grads = {"w": huge if step == 0 else torch.randn(64, 128)}
+        updates, state = tx.update(grads, state, params)
+        params = fadam.apply_updates(params, updates)
+        nu = dequantize_blockwise(state.inner_state[0].nu["w"], (64, 128), bits, 256 if bits == 8 else 128)
+        assert torch.equal(nu.isinf(), overflowed), step
+        assert bool(updates["w"].isfinite().all()) and not updates["w"][overflowed].any()
+    assert bool(params["w"][~overflowed].ne(0).all())  # the others trained

@@ -398,3 +398,100 @@ def test_recompile_limit_runs_new_hyperparameters_eagerly():
         warnings.simplefilter("error")  # one warning
         assert run(2) == 3
     assert calls == ["compiled", "eager", "compiled", "eager"]  # kernels compiled before still serve their calls
+
+
+# Each way a step reaches the quantized state: the chain (quantize_state's own update), the alias' update (the fused
+# kernels, writing the update out of place) and a donated fadam.step (the fused kernels in place), each fused way with
+# the C++ kernel and with the torch.compile kernels (run eagerly here, see tests/conftest.py).
+PATHS = [("chain", "native"), ("update", "native"), ("update", "torch"), ("step", "native"), ("step", "torch")]
+
+
+def _steps(make, kwargs, params, grads, path, kernel, unfused, request):
+    """The params after each step of ``make(**kwargs)`` along ``path`` on the gradients ``grads``."""
+    if kernel == "torch":
+        request.getfixturevalue("torch_kernels")
+    tx = unfused(make, **kwargs) if path == "chain" else make(**kwargs)
+    p, s = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    out = []
+    for g in grads:
+        if path == "update":
+            updates, s = tx.update(g, s, p)
+            p = fadam.apply_updates(p, updates)
+        else:
+            p, s = fadam.step(tx, p, g, s, donate=True)
+        out.append({k: v.clone() for k, v in p.items()})
+    return out
+
+
+def _torch_adam_steps(make, kwargs, params, grads):
+    """The same steps with torch.optim in float32: its params after each step and its last second moments."""
+    weights = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    decoupled = "adamw" in make.__name__
+    options = {"lr": kwargs["lr"], "weight_decay": kwargs.get("weight_decay", 0.0)}
+    optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)(weights.values(), **options)
+    out = []
+    for g in grads:
+        for k, w in weights.items():
+            w.grad = g[k].clone()
+        optimizer.step()
+        out.append({k: w.detach().clone() for k, w in weights.items()})
+    return out, {k: optimizer.state[w]["exp_avg_sq"] for k, w in weights.items()}
+
+
+def _params_and_shapes():
+    torch.manual_seed(0)
+    # w: whole blocks; c: a ragged last block (odd: at 4 bits the eager path's); b: full precision (below min_size)
+    return {"w": torch.randn(64, 128), "c": torch.randn(301), "b": torch.randn(10)}
+
+
+@pytest.mark.parametrize("make", [fadam.adam8bit, fadam.adam4bit, fadam.adamw8bit, fadam.adamw4bit])
+@pytest.mark.parametrize(("path", "kernel"), PATHS)
+def test_huge_gradients_keep_params_finite_as_fp32_adam_does(make, path, kernel, unfused, request):
+    check_huge_gradients(make, path, kernel, unfused, request)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [fadam.adamw8bit, fadam.adam4bit])
+def test_compiled_kernels_keep_params_finite_under_huge_gradients(make, unfused, request):
+    check_huge_gradients(make, "step", "torch", unfused, request)
+
+
+def check_huge_gradients(make, path, kernel, unfused, request):
+    # Gradients of up to 1e38 overflow g * g: fp32 Adam's v turns inf there and its updates 0, for good. The quantized
+    # state must keep that inf (a block of them, or one among finite entries) rather than store a finite number.
+    params = _params_and_shapes()
+    huge = []
+    for step in range(2):
+        g = {k: (torch.rand(v.shape, generator=torch.Generator().manual_seed(step)) * 2 - 1) for k, v in params.items()}
+        g = {k: v * 1e38 for k, v in g.items()}  # every entry of every leaf
+        g["c"][1::7] /= 1e38  # and some left small among the huge ones
+        huge.append(g)
+    grads = huge + [{k: torch.randn(v.shape) for k, v in params.items()} for _ in range(4)]
+    kwargs = {"lr": 1e-2, "min_size": 64, "weight_decay": 0.0 if "adamw" not in make.__name__ else 0.1}
+    ours = _steps(make, kwargs, params, grads, path, kernel, unfused, request)
+    theirs, v = _torch_adam_steps(make, kwargs, params, grads)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for k in params:
+            assert bool(b[k].isfinite().all())
+            assert bool(a[k].isfinite().all()), (step, k)
+            assert (a[k] - b[k]).abs().max() < 0.05, (step, k)  # lr * steps is 0.06: no step ran away
+    for k in params:
+        frozen = v[k].isinf()  # updates 0 since the first step, as fp32 Adam's
+        assert bool(frozen.any())
+        if "adamw" not in make.__name__:
+            assert torch.equal(ours[-1][k][frozen], params[k][frozen])
+
+
+@pytest.mark.parametrize("make", [fadam.adamw8bit, fadam.adam4bit])
+@pytest.mark.parametrize(("path", "kernel"), PATHS)
+def test_a_nan_gradient_makes_the_param_nan_exactly_where_fp32_adam_does(make, path, kernel, unfused, request):
+    params = _params_and_shapes()
+    grads = [{k: torch.randn(v.shape) for k, v in params.items()} for _ in range(4)]
+    grads[1]["w"][3, 5] = grads[1]["c"][300] = grads[1]["b"][2] = float("nan")
+    kwargs = {"lr": 1e-2, "min_size": 64, "weight_decay": 0.1}
+    ours = _steps(make, kwargs, params, grads, path, kernel, unfused, request)
+    theirs, _ = _torch_adam_steps(make, kwargs, params, grads)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for k in params:
+            assert torch.equal(a[k].isnan(), b[k].isnan()), (step, k)
+            assert int(a[k].isnan().sum()) == (step >= 1)

@@ -45,7 +45,8 @@ def run_both(
     bits, config, special, to_out, dtype=torch.float32, m_map_id=None, row_scales=None, bias_corrections=(0.271, 0.0447)
 ):
     """Both kernels' results on one step; ``row_scales`` (one per row) scale the rows of m, and of the gradient up to
-    2**60 (so that its square stays finite)."""
+    2**60 (so that its square stays finite). ``special``: 1 for infinities, NaNs, zero and tiny blocks among the
+    gradients and moments; 2 for these and overflowing gradients and moments, and a state that holds infinities."""
     torch.manual_seed(bits + 7 * special)
     # rows over two and a half of the C++ kernel's 4096-element groups: its pipeline's every stage
     block, rows = (256, 37) if bits == 8 else (128, 75)
@@ -65,6 +66,8 @@ def run_both(
         g[(rows // 2) * block + 7], g[(rows // 2 + 1) * block] = float("inf"), float("nan")  # in a later group
         for t in (g, m, v):  # a block whose new absmax, below 2**-128, has no finite reciprocal
             t[6 * block : 7 * block] *= 1e-40
+    if special == 2:
+        add_infinities(g, m, v, block, rows)
     signed, unsigned = map_pair(bits)
     m_codes, m_absmax, m_map = quantized_rows(m, bits, block, signed if m_map_id is None else m_map_id)
     v_codes, v_absmax, v_map = quantized_rows(v, bits, block, unsigned)
@@ -82,6 +85,19 @@ def run_both(
     return results
 
 
+def add_infinities(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, block: int, rows: int) -> None:
+    """Rows where the new moments overflow, and a state whose blocks hold infinities (stored with a negated scale)."""
+    g[1 * block : 2 * block] = torch.sign(torch.randn(block)) * 1e38  # every new v overflows
+    g[3 * block + 5 : 3 * block + 9] = 2e38  # a few do
+    g[10 * block + 2], m[10 * block + 2] = 3e38, -3e38  # m's lerp overflows
+    m[8 * block + 3], m[8 * block + 4], v[8 * block + 3] = float("inf"), -float("inf"), float("inf")
+    v[9 * block : 10 * block] = float("inf")  # a block of infinities
+    m[11 * block : 12 * block] *= 1e-40  # tiny moments next to an infinity: the scale is raised to 2**-126
+    m[11 * block + 1] = float("inf")
+    later = (rows // 2 + 3) * block  # in a later group: a stored infinity decoded in the fused loop
+    v[later + 17] = float("inf")
+
+
 CONFIGS = [  # (b1, b2, eps, weight_decay, decoupled, maximize)
     (0.9, 0.999, 1e-8, 0.0, False, False),
     (0.9, 0.999, 1e-8, 0.1, True, False),  # AdamW
@@ -90,7 +106,7 @@ CONFIGS = [  # (b1, b2, eps, weight_decay, decoupled, maximize)
 ]
 
 
-CASES = list(itertools.product((8, 4), CONFIGS, (0, 1), (0, 1), (torch.float32, torch.bfloat16)))
+CASES = list(itertools.product((8, 4), CONFIGS, (0, 1, 2), (0, 1), (torch.float32, torch.bfloat16)))
 
 
 def assert_kernels_equal(bits, config, special, to_out, dtype):
@@ -99,6 +115,8 @@ def assert_kernels_equal(bits, config, special, to_out, dtype):
     for key in ("p", "out", "m_codes", "m_absmax", "v_codes", "v_absmax"):
         if key != "out" or to_out:
             torch.testing.assert_close(native[key], eager[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    if special == 2:  # the case holds what it is for: blocks of infinities in the state written
+        assert bool((eager["v_absmax"] < 0).any()) and bool((eager["m_absmax"] < 0).any())
 
 
 @pytest.mark.parametrize(("bits", "config", "special", "to_out", "dtype"), CASES)
@@ -472,7 +490,7 @@ def test_native_encoder_equals_the_codec_near_every_midpoint_and_pattern_edge(ma
         [
             _neighbours(mids, 3),
             _neighbours(patterns.view(torch.float32), 1),
-            tables[0][map_id].abs(),
+            tables[0][map_id, :256].abs(),  # the codes' values in a finite block
             torch.rand(10_000, generator=torch.Generator().manual_seed(map_id)) ** 8,
             torch.tensor([0.0, 1e-45, 1e-38, 1.0]),
         ]

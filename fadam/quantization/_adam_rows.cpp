@@ -6,8 +6,10 @@
 // in the same loops as the params and codes of the current one (fused_row; 3-10% faster than one half after the
 // other on 16.8M params, see benchmarks/README.md), which skip the encoder's clamps where a row's moments are all
 // finite (nearly always).
-// Moments are encoded as the codec does, times the reciprocal of their block's absmax. The same call runs the step's
-// leaves whose moments stay in full precision (float32; run_full): the same arithmetic without codes.
+// Moments are encoded as the codec does, times the reciprocal of their block's absmax; a block holding an infinity,
+// found only in that rare row's own loop (row_scale_bits), stores its scale negated and keeps its infinities (see
+// fadam/quantization/_codec.py). The same call runs the step's leaves whose moments stay in full precision (float32;
+// run_full): the same arithmetic without codes.
 //
 // The arithmetic is the chain's, operation by operation and in float32, so that results equal the eager kernels in
 // _fused.py bit for bit: ATen's vectorized CPU lerp, addcmul and add-with-alpha are each one fused multiply-add
@@ -45,7 +47,11 @@ namespace {
 struct Grid {
   const uint32_t* entries;
   int32_t base;
+  float finite_top;  // the map's largest value below 1: what a block holding an infinity scales its finite moments by
 };
+
+// Where a map's values for a block holding an infinity start among its values (fadam/quantization/_maps.py: INFINITE).
+constexpr int64_t kInfinite = 256;
 
 struct Args {
   void* p;  // params, gradients and updates: float32 or bfloat16 (param_dtype)
@@ -55,8 +61,8 @@ struct Args {
   float* m_absmax;
   uint8_t* v_codes;
   float* v_absmax;
-  const float* m_map;  // the 256 values of the map each moment was stored with
-  const float* v_map;
+  const float* m_map;  // the 512 values of the map each moment was stored with: for a finite block, then (from
+  const float* v_map;  // kInfinite on) for a block holding an infinity
   float* m;  // a full-precision leaf's float32 moments, updated in place (its codes, absmax and maps are null);
   float* v;  // null for a quantized leaf
   Grid m_grid;  // the maps the moments are written with: signed for m, non-negative for v (v >= 0)
@@ -203,14 +209,42 @@ inline int32_t magnitude_bits(float x) {
 
 constexpr int32_t kInfinityBits = 0x7F800000;
 
-// The largest finite magnitude of x[0, n), as bits: for the rare block whose moments hold an inf or NaN.
-int32_t finite_max_bits(const float* x, int64_t n) {
+constexpr int32_t kLeastNormalBits = 0x00800000;  // 2^-126: the least scale of a block holding an infinity
+
+// The scale of x[0, n), as bits, for the rare block whose moments hold an inf or NaN (the codec's row_absmax): the
+// largest finite magnitude or, where an infinity is among them, the same raised to at least 2^-126 and negated.
+int32_t row_scale_bits(const float* x, int64_t n) {
   int32_t top = 0;
+  bool infinite = false;
   for (int64_t i = 0; i < n; ++i) {
     const int32_t bits = magnitude_bits(x[i]);
     top = bits < kInfinityBits && bits > top ? bits : top;
+    infinite |= bits == kInfinityBits;
   }
-  return top;
+  return infinite ? static_cast<int32_t>(static_cast<uint32_t>(std::max(top, kLeastNormalBits)) | 0x80000000u) : top;
+}
+
+// What a block's moments are multiplied by before they are encoded: the reciprocal of its scale's magnitude (of 1 for
+// a zero scale) and, for a block holding an infinity (a negative scale), its map's finite top, so that its finite
+// moments stay below the codes of +-1, which stand for +-inf there.
+inline float encoding_inverse(float scale, float finite_top) {
+  const float magnitude = std::fabs(scale);
+  const float inverse = 1.0f / (magnitude > 0.0f ? magnitude : 1.0f);
+  return scale < 0.0f ? inverse * finite_top : inverse;
+}
+
+// How a row's stored moments decode: code c is values[c] * magnitude of their scale, with the map's values for a
+// block holding an infinity where the scale is negative.
+struct Stored {
+  const float* m_values;
+  const float* v_values;
+  float m_scale, v_scale;
+};
+
+inline Stored stored_row(const Args& a, int64_t r) {
+  const float m = a.m_absmax[r], v = a.v_absmax[r];
+  return {m < 0.0f ? a.m_map + kInfinite : a.m_map, v < 0.0f ? a.v_map + kInfinite : a.v_map, std::fabs(m),
+          std::fabs(v)};
 }
 
 // x / absmax as the codec computes it: x times the absmax's reciprocal `inverse`, NaN to 0, clamped to [-1, 1].
@@ -299,35 +333,36 @@ inline typename P::Storage result_of(const UpdateRule<P>& rule, float m_new, flo
   return P::store(kToOut ? u : param + u);
 }
 
-// What a row's moment loop finds: its absmax as bit patterns, and whether its new m all lie in QuotientRange.
+// What a row's moment loop finds: its scales (absmax) as bit patterns, and whether its new m all lie in QuotientRange.
 struct RowSummary {
   int32_t m_max, v_max;
   bool m_in_quotient_range;
 };
 
 // A row's summary from the running maxima and minimum of its moments' magnitude bits (next_moments): the maxima
-// hold an inf or NaN only in the rare row where a moment is not finite, which then takes the finite maximum over the
-// row. True if finite.
+// hold an inf or NaN only in the rare row where a moment is not finite, which then takes its scale in a loop of its
+// own (row_scale_bits). True if finite.
 inline bool summarize(int32_t m_top, int32_t v_top, uint32_t m_floor, const float* m, const float* v, int64_t n,
                       RowSummary* summary) {
-  summary->m_max = m_top < kInfinityBits ? m_top : finite_max_bits(m, n);
-  summary->v_max = v_top < kInfinityBits ? v_top : finite_max_bits(v, n);
+  summary->m_max = m_top < kInfinityBits ? m_top : row_scale_bits(m, n);
+  summary->v_max = v_top < kInfinityBits ? v_top : row_scale_bits(v, n);
   summary->m_in_quotient_range =
       m_top <= QuotientRange::kMostBits && m_floor >= static_cast<uint32_t>(QuotientRange::kLeastBits) - 1u;
   return m_top < kInfinityBits && v_top < kInfinityBits;
 }
 
-// One row's moments (from codes widened to int32: see widen) into m_out, v_out, what they hold into summary; true if
-// they are all finite.
+// One row's moments (from codes widened to int32: see widen, stored as `stored` says) into m_out, v_out, what they
+// hold into summary; true if they are all finite.
 template <typename P, bool kCoupled>
 __attribute__((noinline, noclone)) bool moments_row(const Args& a, const typename P::Storage* __restrict p,
                                                     const typename P::Storage* __restrict g,
                                                     const int32_t* __restrict m_codes,
-                                                    const int32_t* __restrict v_codes, float m_scale, float v_scale,
+                                                    const int32_t* __restrict v_codes, const Stored& stored,
                                                     float* __restrict m_out, float* __restrict v_out,
                                                     RowSummary* summary) {
-  const float* __restrict m_map = a.m_map;
-  const float* __restrict v_map = a.v_map;
+  const float* __restrict m_map = stored.m_values;
+  const float* __restrict v_map = stored.v_values;
+  const float m_scale = stored.m_scale, v_scale = stored.v_scale;
   const MomentRule<P> rule(a);
   int32_t m_top = 0, v_top = 0;
   uint32_t m_floor = UINT32_MAX;
@@ -366,10 +401,11 @@ __attribute__((noinline, noclone)) bool fused_row(
     const float* __restrict v, const float* __restrict root, float m_inverse, float v_inverse,
     uint8_t* __restrict m_codes, uint8_t* __restrict v_codes, const typename P::Storage* __restrict next_p,
     const typename P::Storage* __restrict next_g, const int32_t* __restrict next_m_codes,
-    const int32_t* __restrict next_v_codes, float next_m_scale, float next_v_scale, float* __restrict next_m,
+    const int32_t* __restrict next_v_codes, const Stored& next_stored, float* __restrict next_m,
     float* __restrict next_v, RowSummary* summary) {
-  const float* __restrict m_map = a.m_map;
-  const float* __restrict v_map = a.v_map;
+  const float* __restrict m_map = next_stored.m_values;
+  const float* __restrict v_map = next_stored.v_values;
+  const float next_m_scale = next_stored.m_scale, next_v_scale = next_stored.v_scale;
   const Grid m_grid = a.m_grid, v_grid = a.v_grid;
   const MomentRule<P> moment_rule(a);
   const UpdateRule<P> update_rule(a);
@@ -439,12 +475,12 @@ constexpr int64_t kGroupElements = 4096;
 template <typename P>
 struct Kernels {
   bool (*moments)(const Args&, const typename P::Storage*, const typename P::Storage*, const int32_t*,
-                  const int32_t*, float, float, float*, float*, RowSummary*);
+                  const int32_t*, const Stored&, float*, float*, RowSummary*);
   void (*finish)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*, const float*,
                  float, float, uint8_t*, uint8_t*);
   using Fused = bool (*)(const Args&, typename P::Storage*, typename P::Storage*, const float*, const float*,
                          const float*, float, float, uint8_t*, uint8_t*, const typename P::Storage*,
-                         const typename P::Storage*, const int32_t*, const int32_t*, float, float, float*, float*,
+                         const typename P::Storage*, const int32_t*, const int32_t*, const Stored&, float*, float*,
                          RowSummary*);
   Fused fused;
   Fused fused_by_reciprocals;  // for rows whose m lie in QuotientRange
@@ -523,8 +559,8 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     const int64_t r = to.first + j;
     load_codes(r);
     RowSummary summary;
-    to.finite[j] = kernels.moments(row_args(r), params + r * block, grads + r * block, m_index, v_index, a.m_absmax[r],
-                                   a.v_absmax[r], to.m.data() + j * block, to.v.data() + j * block, &summary);
+    to.finite[j] = kernels.moments(row_args(r), params + r * block, grads + r * block, m_index, v_index,
+                                   stored_row(a, r), to.m.data() + j * block, to.v.data() + j * block, &summary);
     to.record(j, summary);
   };
   const auto codes_out = [&](uint8_t* codes, uint8_t* unpacked, int64_t r) {
@@ -536,8 +572,8 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
     Storage* out = updates == nullptr ? nullptr : updates + r * block;
     uint8_t* m_out = codes_out(a.m_codes, scratch.m_codes.data(), r);
     uint8_t* v_out = codes_out(a.v_codes, scratch.v_codes.data(), r);
-    const float m_inverse = 1.0f / (from.m_absmax[j] > 0.0f ? from.m_absmax[j] : 1.0f);
-    const float v_inverse = 1.0f / (from.v_absmax[j] > 0.0f ? from.v_absmax[j] : 1.0f);
+    const float m_inverse = encoding_inverse(from.m_absmax[j], a.m_grid.finite_top);
+    const float v_inverse = encoding_inverse(from.v_absmax[j], a.v_grid.finite_top);
     const float* m = from.m.data() + j * block;
     const float* v = from.v.data() + j * block;
     const float* root = from.root.data() + j * block;
@@ -550,7 +586,7 @@ void run(const Args& a, const Kernels<P>& kernels, int64_t begin, int64_t end, S
       const auto fused = divisors_in_quotient_range && from.m_in_quotient_range[j] ? kernels.fused_by_reciprocals
                                                                                    : kernels.fused;
       to.finite[j] = fused(a, params + r * block, out, m, v, root, m_inverse, v_inverse, m_out, v_out,
-                           params + s * block, grads + s * block, m_index, v_index, a.m_absmax[s], a.v_absmax[s],
+                           params + s * block, grads + s * block, m_index, v_index, stored_row(a, s),
                            to.m.data() + j * block, to.v.data() + j * block, &summary);
       to.record(j, summary);
     } else {
@@ -777,7 +813,7 @@ struct Reading {
   int64_t block;
   int64_t m_map_id;  // the maps the step writes m and v with; a leaf stored with others takes Python's path
   int64_t v_map_id;
-  int64_t maps_at;  // the address of the (maps, 256) float32 map values, and a map's bytes
+  int64_t maps_at;  // the address of the (maps, 512) float32 map values, and a map's bytes
   int64_t map_bytes;
   int64_t coupled_decay;  // Adam's L2 decay: bfloat16 leaves take Python's path (_native.Leaves.add says why)
 };

@@ -1,7 +1,7 @@
 """Blockwise quantization of one tensor: ``quantize_blockwise`` and ``dequantize_blockwise``.
 
-A tensor is flattened and cut into blocks of ``block_size`` elements (the last one zero-padded). Each block keeps its
-largest finite magnitude ``absmax`` in float32; each element keeps the code of the map entry nearest to
+A tensor is flattened and cut into blocks of ``block_size`` elements (the last one zero-padded). Each block keeps a
+float32 scale, its largest finite magnitude ``absmax``; each element keeps the code of the map entry nearest to
 ``x * (1 / absmax)`` (float32 reciprocal, then product: the normalisation bitsandbytes uses, one division a block
 rather than one an element): one byte at 8 bits, two codes per byte at 4 bits (low nibble first). Which map decodes
 the codes is a 0-d uint8 ``map_id`` computed on the tensor's device from the values themselves (no host sync): a
@@ -9,10 +9,13 @@ tensor with no negative entry uses the non-negative map (twice the resolution at
 4 bits, for second moments), any other the signed dynamic map. Everything is plain tensor ops on the logical tensor,
 so under ``torch.func.vmap`` each stacked member gets its own blocks and its own map.
 
-Non-finite entries never set a block's scale: ``absmax`` is taken over finite entries, ``+-inf`` is stored as
-``+-absmax`` and ``nan`` as 0 (no map has a code for them). ``x * (1 / absmax)`` is clamped to [-1, 1]: it exceeds 1
-only where ``1 / absmax`` overflows (an absmax below about 3e-39), and such a block stores its nonzero entries as
-``+-absmax``.
+Infinities round-trip. A block holding ``+-inf`` stores its scale negated, ``-max(absmax, 2**-126)`` (a reciprocal
+that stays finite): there the codes of ``+-1`` stand for ``+-inf``, and the finite entries are encoded for
+``x * (1 / absmax) * top``, ``top`` being the map's largest value below 1, so that none takes those codes (each map's
+values for such a block: ``fadam.quantization._maps``); blocks of finite entries are encoded as above. ``nan`` is
+stored as 0 (no map has a code for it) and never sets a scale. ``x * (1 / absmax)`` is clamped to [-1, 1]: it exceeds
+1 only where ``1 / absmax`` overflows (an absmax below about 3e-39, in a block of finite entries), and such a block
+stores its nonzero entries as ``+-absmax``.
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fadam.quantization._maps import MAP_IDS, Tables, decode, encode
+from fadam.quantization._maps import INFINITE, MAP_IDS, Tables, decode, encode, tables_on
 
 __all__ = ["QuantizedArray", "dequantize_blockwise", "quantize_blockwise"]
+
+# The least scale of a block holding an infinity: 2**-126, whose reciprocal is finite (a smaller finite absmax's is not)
+_LEAST_INFINITE_SCALE = torch.finfo(torch.float32).tiny
 
 
 class QuantizedArray(NamedTuple):
     """A blockwise-quantized tensor; its shape is its param's (known to whoever holds both)."""
 
     codes: torch.Tensor  # uint8: n codes (8-bit) or ceil(n / 2) bytes of two codes (4-bit)
-    absmax: torch.Tensor  # float32, one per block of block_size elements
+    absmax: torch.Tensor  # float32 scales, one per block of block_size elements (negative: the block holds an inf)
     map_id: torch.Tensor  # 0-d uint8: which map of fadam.quantization._maps.MAP_IDS decodes the codes
 
 
@@ -53,15 +59,23 @@ def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def row_absmax(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's largest finite magnitude (0 for a row with none)."""
-    return torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=-1)
+    """Each row's scale: its largest finite magnitude (0 for a row with none), or for a row holding an infinity the
+    same raised to at least 2**-126 and negated."""
+    finite = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=-1)
+    infinite = (rows.abs() == float("inf")).any(dim=-1)
+    return torch.where(infinite, -finite.clamp(min=_LEAST_INFINITE_SCALE), finite)
 
 
 def encode_scaled(
     rows: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
 ) -> torch.Tensor:
-    """The codes of ``rows`` for their ``row_absmax``: see ``encode_rows``."""
-    inverse = torch.where(absmax > 0, absmax, 1.0).reciprocal().unsqueeze(-1)
+    """The codes of ``rows`` for their scales ``absmax`` (``row_absmax``): see ``encode_rows``."""
+    tables = tables_on(rows.device) if tables is None else tables
+    scale = absmax.abs()
+    inverse = torch.where(scale > 0, scale, 1.0).reciprocal()
+    # a 1-element index, not a 0-d one (which indexing reads on the host)
+    top = tables[3][map_id if isinstance(map_id, int) else map_id.reshape(1).to(torch.int32)]
+    inverse = torch.where(absmax < 0, inverse * top, inverse).unsqueeze(-1)  # a row holding an inf: codes below 1
     y = rows * inverse
     y = torch.where(y != y, 0.0, y.clamp(-1.0, 1.0))  # nan_to_num, in ops inductor vectorises (isnan it does not)
     codes = encode(y, map_id, tables)
@@ -87,11 +101,22 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes
 
 
+def decode_values(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``encode_rows`` with the 512 values of the map (``_maps.map_values``) given."""
+    return values[_indices(codes, absmax, bits)] * absmax.abs().unsqueeze(-1)
+
+
 def decode_rows(
     codes: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
 ) -> torch.Tensor:
     """Inverse of ``encode_rows``."""
-    return decode(unpack_codes(codes, bits), map_id, tables) * absmax.unsqueeze(-1)
+    return decode(_indices(codes, absmax, bits), map_id, tables) * absmax.abs().unsqueeze(-1)
+
+
+def _indices(codes: torch.Tensor, absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    # each code's index into its map's values: past INFINITE in a row that holds an infinity
+    infinite = torch.where(absmax < 0, INFINITE, 0).to(torch.int32)
+    return unpack_codes(codes, bits) + infinite.unsqueeze(-1)
 
 
 def quantize_blockwise(

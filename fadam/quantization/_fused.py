@@ -46,13 +46,13 @@ from fadam._tree import PyTree, check_leaves, tree_flatten
 from fadam.quantization import _native as native
 from fadam.quantization._codec import (
     QuantizedArray,
+    decode_values,
     dequantize_blockwise,
     encode_scaled,
     expected_sizes,
     map_pair,
     quantize_blockwise,
     row_absmax,
-    unpack_codes,
 )
 from fadam.quantization._maps import MAP_IDS, Tables, map_values, tables_on
 from fadam.quantization._wrapper import QuantizedState
@@ -93,7 +93,7 @@ def _rows_moments(
     g: torch.Tensor,
     m_codes: torch.Tensor,
     m_absmax: torch.Tensor,
-    m_map: torch.Tensor,  # the 256 values of the map m was stored with
+    m_map: torch.Tensor,  # the 512 values of the map m was stored with (_maps.map_values)
     v_codes: torch.Tensor,
     v_absmax: torch.Tensor,
     v_map: torch.Tensor,
@@ -102,8 +102,8 @@ def _rows_moments(
 ) -> tuple[torch.Tensor, ...]:
     """Kernel 1: the new float32 moments of a chunk of rows and their new absmax. Decodes with the stored maps (a state
     written by the chain may hold m in the non-negative map)."""
-    m = m_map[unpack_codes(m_codes, bits)] * m_absmax.unsqueeze(-1)
-    v = v_map[unpack_codes(v_codes, bits)] * v_absmax.unsqueeze(-1)
+    m = decode_values(m_map, m_codes, m_absmax, bits)
+    v = decode_values(v_map, v_codes, v_absmax, bits)
     m, v = _moments(p, g, m, v, config)
     return m, v, row_absmax(m), row_absmax(v)
 
@@ -145,7 +145,7 @@ _CHUNK = 1 << 20
 
 class Rows(NamedTuple):
     """One leaf's ``(rows, block_size)`` views (codes: ``(rows, block_size * bits / 8)``) and its moments' stored
-    maps (256 values each): what a row kernel reads, and updates in place."""
+    maps (512 values each: ``_maps.map_values``): what a row kernel reads, and updates in place."""
 
     p: torch.Tensor
     g: torch.Tensor
@@ -186,7 +186,7 @@ def _rows_step_inplace(
 
 _compiled: list[Callable[..., Any]] = []
 
-# Inductor settings for these kernels only. Every index is in range by construction (codes < 256 into 256-entry maps,
+# Inductor settings for these kernels only. Every index is in range by construction (codes < 512 into 512-entry maps,
 # a clamped guess into the padded midpoints), so the per-gather bounds assertions are dropped. A higher read threshold
 # keeps values in registers: by default inductor writes the moments to memory between the encoder's many uses and
 # reads them back (measured with the one-kernel form on 16M params, one thread: 196 vs 319 ms a step; raising the

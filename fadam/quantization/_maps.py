@@ -23,6 +23,11 @@ the true code or one below it, and one read of the midpoint table settles which.
 encoder (the constants are checked when built; benchmarks/check_encoder_exhaustive.py found no difference on any
 float32 in [-1, 1] for any map), with no bit reinterpretation and one gather instead of two: inductor's C++ backend
 emits both as scalar loops.
+
+Each map also has a second set of 256 values, for a block that holds an infinity (``fadam.quantization._codec``): there
+the codes of ``+-1`` stand for ``+-inf``, and the block's finite entries are encoded for ``x * (1 / absmax) * top``,
+``top`` being the map's largest value below 1 (``finite_tops``), so that they never reach the code of 1; code ``c``
+then stands for ``value[c] / top`` (the largest finite entry round-trips exactly, as in a finite block).
 """
 
 from __future__ import annotations
@@ -32,7 +37,17 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MAP_IDS", "code_maps", "decode", "dynamic_map", "encode", "encode_tables", "linear_nonzero_map"]
+__all__ = [
+    "INFINITE",
+    "MAP_IDS",
+    "code_maps",
+    "decode",
+    "dynamic_map",
+    "encode",
+    "encode_tables",
+    "finite_tops",
+    "linear_nonzero_map",
+]
 
 
 # Points per decade of the dynamic maps, smallest decade first; decade d of D spans (0.1, 1] * 10**(d - D + 1).
@@ -81,23 +96,39 @@ def linear_nonzero_map(bits: int = 4) -> torch.Tensor:
 # Map ids stored in the state (a 0-d uint8 per quantized leaf): which map decodes its codes.
 MAP_IDS = {"dynamic8_signed": 0, "dynamic8_unsigned": 1, "dynamic4_signed": 2, "linear4_nonzero": 3}
 _SIZE = 256  # codes per map slot; shorter maps are padded with their last value (those codes are never produced)
+INFINITE = _SIZE  # where a map's values for a block holding an infinity start in its row of code_maps
 _LENGTHS = (255, 256, 15, 16)  # codes of each map, in MAP_IDS order
+
+
+def _unpadded_maps() -> tuple[torch.Tensor, ...]:
+    return dynamic_map(True, 8), dynamic_map(False, 8), dynamic_map(True, 4), linear_nonzero_map(4)  # MAP_IDS order
 
 
 @functools.cache
 def _cpu_maps() -> torch.Tensor:
-    maps = [
-        dynamic_map(True, 8),
-        dynamic_map(False, 8),
-        dynamic_map(True, 4),
-        linear_nonzero_map(4),
-    ]
-    return torch.stack([torch.cat([m, m[-1:].expand(_SIZE - m.numel())]) for m in maps])
+    rows = []
+    for m, top in zip(_unpadded_maps(), _cpu_finite_tops()):
+        padded = torch.cat([m, m[-1:].expand(_SIZE - m.numel())])
+        infinite = torch.where(padded.abs() == 1, padded * float("inf"), padded / top)
+        rows.append(torch.cat([padded, infinite]))
+    return torch.stack(rows)
 
 
 def code_maps(device: torch.device | str = "cpu") -> torch.Tensor:
-    """All maps as one ``(4, 256)`` float32 tensor, row ``MAP_IDS[name]``."""
+    """All maps as one ``(4, 512)`` float32 tensor, row ``MAP_IDS[name]``: the values of its 256 codes in a finite
+    block, then from ``INFINITE`` on their values in a block holding an infinity (see the module docstring)."""
     return _on_device(_cpu_maps, torch.device(device))
+
+
+@functools.cache
+def _cpu_finite_tops() -> torch.Tensor:
+    return torch.stack([m[-2] for m in _unpadded_maps()])  # every map ends in 1.0
+
+
+def finite_tops(device: torch.device | str = "cpu") -> torch.Tensor:
+    """Each map's largest value below 1, ``(4,)`` float32: what a block holding an infinity scales its finite
+    entries' ``x * (1 / absmax)`` by."""
+    return _on_device(_cpu_finite_tops, torch.device(device))
 
 
 @functools.cache
@@ -143,26 +174,28 @@ def _on_device(build, device: torch.device):
     return _device_cache[key]
 
 
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (maps, first guesses, thresholds) on one device
+# (maps, first guesses, thresholds, finite tops) on one device
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def tables_on(device: torch.device | str) -> Tables:
     if not _GRIDS:  # built here, eagerly: a compiled kernel reads them as constants and must not trace their build
         _GRIDS.update({map_id: _grid(map_id) for map_id in MAP_IDS.values()})
-    return (code_maps(device), *encode_tables(device))
+    return (code_maps(device), *encode_tables(device), finite_tops(device))
 
 
 def decode(codes: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
-    """float32 values of integer ``codes`` under ``map_id`` (a static int, or a 0-d tensor read on device)."""
+    """float32 values of integer ``codes`` under ``map_id`` (a static int, or a 0-d tensor read on device); a code
+    plus ``INFINITE`` reads its value in a block holding an infinity."""
     maps = (tables_on(codes.device) if tables is None else tables)[0]
     codes = codes.to(torch.int32)  # int32 indices: cheaper gathers in compiled code than int64
     if isinstance(map_id, int):
         return maps[map_id][codes]
-    return maps.view(-1)[map_id.to(torch.int32) * _SIZE + codes]
+    return maps.view(-1)[map_id.to(torch.int32) * maps.shape[-1] + codes]
 
 
 def map_values(map_id: torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
-    """The 256 values of the map a 0-d ``map_id`` names, gathered on its device (no host sync)."""
+    """The 512 values (``code_maps``' row) of the map a 0-d ``map_id`` names, gathered on its device (no host sync)."""
     maps = (tables_on(map_id.device) if tables is None else tables)[0]
     return maps.index_select(0, map_id.reshape(1).to(torch.int64))[0]
 
@@ -237,7 +270,7 @@ def encode(y: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | None = 
     """Nearest int32 codes of finite float32 ``y`` in [-1, 1] under ``map_id``: the number of the map's midpoints
     below ``y``. A static int ``map_id`` computes a first guess arithmetically (one table read); a 0-d tensor one
     reads the guess table (two reads). Both give the same codes."""
-    _, guesses, thresholds = tables_on(y.device) if tables is None else tables
+    _, guesses, thresholds, _ = tables_on(y.device) if tables is None else tables
     if isinstance(map_id, int):
         return _encode_static(y, map_id, thresholds)
     top = (y.view(torch.int32) >> 16) & 0xFFFF

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fadam.quantization._codec import QuantizedArray, map_pair
-from fadam.quantization._maps import _GRIDS, Tables, encode_tables, tables_on
+from fadam.quantization._maps import _GRIDS, Tables, encode_tables, finite_tops, tables_on
 
 if TYPE_CHECKING:  # _fused imports this module
     from fadam.quantization._fused import Rows
@@ -57,7 +57,7 @@ _CFLAGS = ["-O3", "-mtune=native", "-fopenmp", "-fno-math-errno", "-ffp-contract
 
 
 class _Grid(ctypes.Structure):
-    _fields_ = [("entries", ctypes.c_void_p), ("base", ctypes.c_int32)]
+    _fields_ = [("entries", ctypes.c_void_p), ("base", ctypes.c_int32), ("finite_top", ctypes.c_float)]
 
 
 class _Args(ctypes.Structure):
@@ -160,7 +160,7 @@ def _encoder(map_id: int) -> tuple[torch.Tensor, _Grid]:
     plus one if its low 16 bits exceed ``midpoint``. For y < 0, whose code steps down as its low bits grow, both are
     mirrored (``0xFFFF - bits``) and ``code`` is that of the pattern's largest magnitude, so that the same comparison
     applies. The same codes as the chain's ``encode`` (its midpoints, re-packed for one read), ties included: y's code
-    is the number of midpoints below it."""
+    is the number of midpoints below it. With the map's ``finite_top``, for blocks that hold an infinity."""
     _, thresholds = encode_tables("cpu")
     grid = _GRIDS[map_id]
     midpoints = thresholds[map_id, grid.zero : grid.zero + grid.top].view(torch.int32).to(torch.int64)
@@ -182,7 +182,7 @@ def _encoder(map_id: int) -> tuple[torch.Tensor, _Grid]:
     table[_NEGATIVE - base : _NEGATIVE] = _NONE << 16 | grid.zero  # -y below the first midpoint
     table[_NEGATIVE:] = negative
     table = torch.where(table >= 1 << 31, table - (1 << 32), table).to(torch.int32)  # uint32 bits as int32
-    return table, _Grid(table.data_ptr(), base)
+    return table, _Grid(table.data_ptr(), base, float(finite_tops("cpu")[map_id]))
 
 
 def encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
@@ -291,7 +291,7 @@ class Leaves:
     leaves between them."""
 
     def __init__(self, scalars: Sequence[float], config: tuple, bits: int, block_size: int) -> None:
-        maps = tables_on("cpu")[0]  # (maps, 256) float32, alive in tables_on's cache; builds _GRIDS
+        maps = tables_on("cpu")[0]  # (maps, 512) float32, alive in tables_on's cache; builds _GRIDS
         self._maps_at, self._map_bytes = maps.data_ptr(), maps.stride(0) * maps.element_size()
         self._shared = _shared_args(scalars, config, bits)
         self._eager_bf16_tail = bool(self._shared.coupled_decay)  # see add
@@ -407,7 +407,7 @@ def read_leaves(
     if reader is None:
         return None
     alloc, read = reader
-    maps = tables_on("cpu")[0]  # (maps, 256) float32, alive in tables_on's cache
+    maps = tables_on("cpu")[0]  # (maps, 512) float32, alive in tables_on's cache
     signed, unsigned = map_pair(bits)
     reading = _Reading(
         bits=bits,

@@ -100,9 +100,16 @@ def quantize_state(
     The map of each leaf is chosen on device at every requantization, with no host sync: a leaf with no negative entry
     (Adam's ``nu``, AMSGrad's ``nu_max``) gets the unsigned dynamic map at 8 bits (twice the resolution) or the
     zero-free linear map at 4 bits; any other the signed dynamic map (Dettmers et al., 2022; Li et al., 2023). A
-    non-finite entry never sets its block's scale (see ``quantize_blockwise``); the update of that step is whatever the
-    inner transform computes for it. A ``None`` update leaves its quantized state untouched, as the inner transform
-    leaves its state.
+    ``None`` update leaves its quantized state untouched, as the inner transform leaves its state.
+
+    Non-finite state is kept as fp32 keeps it where it can be. The update of a step is the inner transform's, computed
+    before requantization, so it holds whatever infinities and NaNs the inner transform's does. An infinity in the
+    state is stored as an infinity (its block flags it; see ``fadam.quantization._codec``) and the block's finite
+    entries keep their values up to the quantization error: a gradient large enough for Adam's ``nu`` to overflow
+    (about 6e20 with the default betas) leaves ``nu`` infinite there and its updates 0, as fp32 Adam's, on every later
+    step too, so params stay finite where fp32 Adam's do. A NaN is stored as 0 (no map has a code for it) and never
+    sets a scale: a NaN gradient makes that step's update, and so the param, NaN exactly where fp32 Adam's are, but
+    the element's later updates come from a state that no longer holds the NaN.
 
     Args:
         inner: the transform whose state to quantize.
