@@ -256,8 +256,10 @@ class Optimizer(torch.optim.Optimizer):
       follow a torch.optim optimizer and its scheduler step for step. Needs ``lr``.
     - a transform whose state holds injected hyperparameters (``fadam.inject_hyperparams``) with a ``learning_rate``
       or ``lr`` entry: the group's ``lr`` is written there before each step (and read from there by default).
-    - any other transform: its updates are multiplied by ``lr / lr_at_construction`` (``lr`` defaults to 1.0, so it is
-      a multiplier on the transform's own step size; exact while it is unchanged).
+    - any other transform: fadam cannot read the learning rate it was built with, so ``lr`` must be given and be that
+      one (a group with its own ``tx`` gives its own ``lr``); ``param_groups[i]["lr"]`` then reports it (fadam cannot
+      check it), and when a scheduler changes it the updates are multiplied by ``lr / lr_at_construction`` (exact
+      while it is unchanged).
 
     The functional state of group ``i`` is ``optimizer.tx_states[i]``. ``state_dict`` lays it out as torch.optim
     does, by param position: ``"state"`` maps each param's index to its own leaves, keyed by their path in the state
@@ -275,7 +277,7 @@ class Optimizer(torch.optim.Optimizer):
     Args:
         params: params, named params or param-group dicts (keys ``params``, optional ``tx``, ``lr`` and others).
         tx: a ``GradientTransformation`` or a factory ``tx(lr=...) -> GradientTransformation``.
-        lr: the learning rate of groups that do not set one.
+        lr: the learning rate of groups that do not set one (for a ready transform: the one it was built with).
 
     Example:
         >>> import torch, fadam
@@ -339,43 +341,57 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(params, set):  # torch.optim refuses a set
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group["params"], given = self._unique_params(params)
+        # a ready transform's lr is given with it: fadam.Optimizer's lr= is not that of a group's own tx
+        lr_given = param_group.get("lr", None if "tx" in param_group else self.defaults["lr"]) is not None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         spec = group.pop("tx")
-        params = self._tree(group, [p.detach() for p in group["params"]])
-        if isinstance(spec, GradientTransformation):
-            tx = spec
-            state = tx.init(params)
-            injected = _injected_lr(state)
-            if injected is not None:
-                mode = "injected"
-                if group["lr"] is None:
-                    group["lr"] = _lr_value(injected)
-            else:
-                mode = "rescale"
-                if group["lr"] is None:
-                    group["lr"] = 1.0
-                if _lr_value(group["lr"]) == 0.0:
-                    del self.param_groups[-1]
-                    raise ValueError("lr 0 cannot be the base a ready-made transform is rescaled from; pass a factory")
-        elif callable(spec):
-            if group["lr"] is None:
-                del self.param_groups[-1]
-                raise ValueError("a transform factory needs a learning rate: pass lr= to fadam.Optimizer or the group")
-            mode = "factory"
-            tx = spec(lr=lambda count, group=group: _lr_value(group["lr"]))
-            if not isinstance(tx, GradientTransformation):
-                del self.param_groups[-1]
-                raise TypeError(f"tx(lr=...) returned a {type(tx).__name__}, expected a GradientTransformation")
-            state = tx.init(params)
-        else:
+        try:
+            tx, mode, state = self._setup(group, spec, lr_given)
+        except Exception:
             del self.param_groups[-1]
-            raise TypeError(f"tx must be a GradientTransformation or a factory taking lr, got {type(spec).__name__}")
+            raise
         self._txs.append(tx)
         self._modes.append(mode)
         self._base_lrs.append(_lr_value(group["lr"]))
         self._given.append(given)
         self.tx_states.append(state)
+
+    def _setup(
+        self, group: dict[str, Any], spec: TransformOrFactory, lr_given: bool
+    ) -> tuple[GradientTransformation, str, PyTree]:
+        """The new ``group``'s transform, mode and initial state; sets its ``lr`` when the transform holds one."""
+        params = self._tree(group, [p.detach() for p in group["params"]])
+        where = f"param group {len(self.param_groups) - 1}"
+        if isinstance(spec, GradientTransformation):
+            state = spec.init(params)
+            injected = _injected_lr(state)
+            if injected is not None:
+                if group["lr"] is None:
+                    group["lr"] = _lr_value(injected)
+                return spec, "injected", state
+            if not lr_given:
+                raise ValueError(
+                    f"{where}: fadam cannot read a ready transform's learning rate: pass the one it was built with as "
+                    "lr= (the group's lr for a group's own tx), or a factory (fadam.adam, not fadam.adam(...)) and lr="
+                )
+            if _lr_value(group["lr"]) == 0.0:
+                raise ValueError("lr 0 cannot be the base a ready-made transform is rescaled from; pass a factory")
+            return spec, "rescale", state
+        if callable(spec):
+            if group["lr"] is None:
+                raise ValueError("a transform factory needs a learning rate: pass lr= to fadam.Optimizer or the group")
+            tx = self._built(spec, group)
+            return tx, "factory", tx.init(params)
+        raise TypeError(f"tx must be a GradientTransformation or a factory taking lr, got {type(spec).__name__}")
+
+    @staticmethod
+    def _built(factory: Callable[..., Any], group: dict[str, Any]) -> GradientTransformation:
+        """``factory``'s transform, built with a learning-rate schedule that reads ``group["lr"]`` at each step."""
+        tx = factory(lr=lambda count: _lr_value(group["lr"]))
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"tx(lr=...) returned a {type(tx).__name__}, expected a GradientTransformation")
+        return tx
 
     # --- stepping ---------------------------------------------------------------------------------------------------
 

@@ -45,24 +45,24 @@ def _assert_same_params(a, b, rtol):
 @pytest.mark.parametrize(
     ("ours", "theirs", "rtol"),
     [
-        (lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-2)), lambda ps: torch.optim.Adam(ps, lr=1e-2), 1e-6),
+        (lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-2), lr=1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2), 1e-6),
         (  # the same fused kernel as torch's fused Adam: bit for bit
-            lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-2)),
+            lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-2), lr=1e-2),
             lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
             0.0,
         ),
         (
-            lambda ps: fadam.Optimizer(ps, fadam.adamw(lr=1e-2, weight_decay=0.1)),
+            lambda ps: fadam.Optimizer(ps, fadam.adamw(lr=1e-2, weight_decay=0.1), lr=1e-2),
             lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
             1e-6,
         ),
         (
-            lambda ps: fadam.Optimizer(ps, fadam.sgd(lr=1e-2, momentum=0.9, nesterov=True)),
+            lambda ps: fadam.Optimizer(ps, fadam.sgd(lr=1e-2, momentum=0.9, nesterov=True), lr=1e-2),
             lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
             1e-6,
         ),
         (
-            lambda ps: fadam.Optimizer(ps, fadam.nadam(lr=1e-2)),
+            lambda ps: fadam.Optimizer(ps, fadam.nadam(lr=1e-2), lr=1e-2),
             lambda ps: torch.optim.NAdam(ps, lr=1e-2),
             1e-5,
         ),
@@ -79,7 +79,7 @@ def test_follows_torch_optim(ours, theirs, rtol):
 
 def test_follows_torch_in_float64_to_1e_12():
     a, b = _model(dtype=torch.float64), _model(dtype=torch.float64)
-    opt_a = fadam.Optimizer(a.parameters(), fadam.adamw(lr=1e-2))
+    opt_a = fadam.Optimizer(a.parameters(), fadam.adamw(lr=1e-2), lr=1e-2)
     opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2)
     _train(a, opt_a, STEPS, dtype=torch.float64)
     _train(b, opt_b, STEPS, dtype=torch.float64)
@@ -127,9 +127,25 @@ def test_a_ready_made_transform_is_rescaled_by_the_scheduler():
     _assert_same_params(a, b, 1e-5)
 
 
-def test_without_lr_a_ready_made_transform_gets_a_multiplier_of_one():
-    opt = fadam.Optimizer(_model().parameters(), fadam.sgd(lr=0.1))
-    assert opt.param_groups[0]["lr"] == 1.0
+def test_a_ready_made_transform_needs_the_lr_it_was_built_with_which_the_group_reports():
+    """fadam cannot read a ready transform's lr: it must be given, so that param_groups[i]["lr"] (what schedulers,
+    HF Trainer and Lightning read) is the lr the step uses, not a multiplier."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"param group 0: fadam cannot read a ready transform's learning rate"):
+        fadam.Optimizer(model.parameters(), fadam.sgd(lr=0.1))
+
+    # fadam.Optimizer's lr= is for the groups without their own tx: a group's own ready transform gives its own lr
+    def groups(**head_lr):
+        return [{"params": model[0].parameters()}, {"params": model[2].parameters(), "tx": fadam.sgd(0.1), **head_lr}]
+
+    with pytest.raises(ValueError, match=r"param group 1: fadam cannot read .* \(the group's lr for a group's own tx"):
+        fadam.Optimizer(groups(), fadam.adam, lr=1e-3)
+    opt = fadam.Optimizer(groups(lr=0.1), fadam.adam, lr=1e-3)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.1]
+    before = model[2].weight.detach().clone()
+    _train(model, opt, 1)
+    expected = before - 0.1 * model[2].weight.grad  # the group's own sgd, with its lr
+    torch.testing.assert_close(model[2].weight.detach(), expected, rtol=1e-6, atol=1e-7)
 
 
 class _InjectedState(NamedTuple):  # the shape of fadam.inject_hyperparams' state, built here to test duck typing
@@ -290,7 +306,7 @@ def _scaled_step(model, opt, scaler, x, y, poison=False):
 
 def test_grad_scaler_unscales_and_skips_non_finite_steps():
     a, b = _model(), _model()
-    opt_a = fadam.Optimizer(a.parameters(), fadam.adam(lr=1e-2))
+    opt_a = fadam.Optimizer(a.parameters(), fadam.adam(lr=1e-2), lr=1e-2)
     opt_b = torch.optim.Adam(b.parameters(), lr=1e-2)
     scaler_a = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     scaler_b = torch.amp.GradScaler("cpu", init_scale=2.0**10)
