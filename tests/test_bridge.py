@@ -245,6 +245,21 @@ def test_bad_arguments_raise():
         fadam.Optimizer(model.parameters(), fadam.sgd(lr=0.1), lr=0.0)
 
 
+def test_a_group_whose_transform_fails_to_initialize_is_not_added():
+    model = _model()
+    opt = fadam.Optimizer(model[0].parameters(), fadam.sgd, lr=0.1)
+
+    def init(params):
+        raise RuntimeError("no state for these params")
+
+    broken = fadam.GradientTransformation(init, fadam.sgd(0.1).update)
+    with pytest.raises(RuntimeError, match="no state for these params"):
+        opt.add_param_group({"params": model[2].parameters(), "tx": broken, "lr": 0.1})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": model[2].parameters()})  # the params are free to join another group
+    assert len(opt.param_groups) == len(opt.tx_states) == 2
+
+
 # --- params that would be updated twice ----------------------------------------------------------------------------
 
 
