@@ -124,3 +124,52 @@ def test_mismatches_name_the_first_path_and_load_nothing():
     # failed loads leave the template and the loaded dict as they were
     assert _equal(template, before)
     assert _equal(fadam.state_from_dict(template, saved), fadam.state_from_dict(template, saved))
+
+
+def _drop(d: dict, key: str) -> dict:
+    """``d`` without ``key`` at any depth."""
+    return {k: _drop(v, key) if isinstance(v, dict) else v for k, v in d.items() if k != key}
+
+
+@pytest.mark.parametrize("make", [fadam.adamw8bit, fadam.adam4bit])
+def test_quantized_state_records_the_shape_it_was_made_for(make):
+    # the codes and scales of a (64, 128) weight have the sizes of a (128, 64) one's: only the shape tells them apart
+    params = {"w": torch.randn(64, 128), "b": torch.randn(10)}
+    tx = make(lr=0.1, min_size=256)
+    state = tx.update(_grads(params, 0), tx.init(params), params)[1]
+    index = next(i for i, s in enumerate(state) if isinstance(s, fadam.QuantizedState))
+    saved = _save_load(state)
+    assert _equal(fadam.state_from_dict(tx.init(params), saved), state)
+    template = tx.init({"w": torch.zeros(128, 64), "b": torch.zeros(10)})
+    before = optree.tree_map(torch.clone, template)
+    with pytest.raises(
+        ValueError,
+        match=rf"state path \[{index}\]\['inner_state'\]\['mu'\]\['w'\]: quantized state of shape \(64, 128\) does "
+        r"not match the optimizer's \(128, 64\)",
+    ):
+        fadam.state_from_dict(template, saved)
+    assert _equal(template, before)
+    # a checkpoint that records no shapes is checked by the sizes of its codes and scales
+    assert _equal(fadam.state_from_dict(tx.init(params), _drop(saved, "like")), state)
+    saved[str(index)]["inner_state"]["mu"]["w"]["like"] = torch.zeros(64, 128)
+    with pytest.raises(
+        ValueError, match=r"\['mu'\]\['w'\]\['like'\]: expected an empty tensor of shape \(\*shape, 0\)"
+    ):
+        fadam.state_from_dict(tx.init(params), saved)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_quantized_state_round_trips_through_distributed_checkpoint_with_its_shape(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    params = {"w": torch.randn(64, 128)}
+    tx = fadam.adamw8bit(lr=0.1, min_size=256)
+    state = tx.update(_grads(params, 0), tx.init(params), params)[1]
+    dcp.save({"optim": fadam.state_to_dict(state)}, checkpoint_id=tmp_path, no_dist=True)
+    target = {"optim": fadam.state_to_dict(tx.init(params))}
+    dcp.load(target, checkpoint_id=tmp_path, no_dist=True)
+    assert _equal(fadam.state_from_dict(tx.init(params), target["optim"]), state)
+    other = {"optim": fadam.state_to_dict(tx.init({"w": torch.zeros(128, 64)}))}
+    with pytest.raises(CheckpointException, match=r"(?s)Size mismatch.*\[64, 128, 0\].*\[128, 64, 0\].*mu\.w\.like"):
+        dcp.load(other, checkpoint_id=tmp_path, no_dist=True)

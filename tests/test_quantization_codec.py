@@ -172,7 +172,7 @@ def test_vmap_gives_each_member_its_own_blocks(bits):
     stacked = torch.randn(3, 1000) * torch.tensor([[1e-4], [1.0], [1e3]])
     stacked[1] = stacked[1].abs()  # one member non-negative: its own map
     q = vmap(lambda x: quantize_blockwise(x, bits, 128))(stacked)
-    y = vmap(lambda c, a, i: dequantize_blockwise(QuantizedArray(c, a, i), (1000,), bits, 128))(*q)
+    y = vmap(lambda c, a, i, like: dequantize_blockwise(QuantizedArray(c, a, i, like), (1000,), bits, 128))(*q)
     for k in range(3):
         qk = quantize_blockwise(stacked[k], bits, 128)
         assert torch.equal(q.codes[k], qk.codes) and torch.equal(q.absmax[k], qk.absmax)
@@ -186,9 +186,25 @@ def test_vmap_keeps_each_members_infinities(bits):
     stacked = torch.randn(2, 300)
     stacked[1, 7] = INF
     q = vmap(lambda x: quantize_blockwise(x, bits, 128))(stacked)
-    y = vmap(lambda *q: dequantize_blockwise(QuantizedArray(*q), (300,), bits, 128))(*q)
+    y = vmap(lambda *q: dequantize_blockwise(QuantizedArray(*q), None, bits, 128))(*q)
     assert bool(y[0].isfinite().all()) and y[1, 7] == INF and int((~y.isfinite()).sum()) == 1
     assert torch.equal(q.absmax[1], quantize_blockwise(stacked[1], bits, 128).absmax)
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (8192,), (), (3, 0, 2)])
+def test_a_quantized_array_keeps_its_shape_as_an_empty_tensor(shape):
+    x = torch.randn(shape)
+    q = quantize_blockwise(x)
+    assert q.shape == x.shape and q.like.numel() == 0 and q.like.shape == (*shape, 0)
+    assert dequantize_blockwise(q).shape == x.shape
+
+
+def test_dequantizing_as_another_shape_is_refused():
+    q = quantize_blockwise(torch.randn(64, 128))
+    with pytest.raises(
+        ValueError, match=r"quantized array of shape \(64, 128\) cannot be dequantized as shape \(128, 64\)"
+    ):
+        dequantize_blockwise(q, (128, 64))
 
 
 def test_bad_bits():

@@ -267,7 +267,26 @@ def test_quantize_state_of_a_chain_keeps_an_overflowed_second_moment_infinite(bi
         grads = {"w": huge if step == 0 else torch.randn(64, 128)}
         updates, state = tx.update(grads, state, params)
         params = fadam.apply_updates(params, updates)
-        nu = dequantize_blockwise(state.inner_state[0].nu["w"], (64, 128), bits, 256 if bits == 8 else 128)
+        nu = dequantize_blockwise(state.inner_state[0].nu["w"], None, bits, 256 if bits == 8 else 128)
         assert torch.equal(nu.isinf(), overflowed), step
         assert bool(updates["w"].isfinite().all()) and not updates["w"][overflowed].any()
     assert bool(params["w"][~overflowed].ne(0).all())  # the others trained
+
+
+@pytest.mark.parametrize("make", [fadam.adam8bit, fadam.adamw4bit])
+@pytest.mark.parametrize("path", ["quantize_state", "update", "step"])
+def test_state_made_for_another_shape_is_refused_before_anything_changes(make, path):
+    # a (64, 128) weight's codes and scales have the sizes of a (128, 64) one's: the recorded shape tells them apart
+    params = {"w": torch.randn(64, 128), "b": torch.randn(10)}
+    tx = fadam.quantize_state(fadam.scale_by_adam(), min_size=256) if path == "quantize_state" else make(min_size=256)
+    _, state = tx.update(grads_like(params, 0), tx.init(params), params)
+    other = {"w": torch.randn(128, 64), "b": torch.randn(10)}
+    grads = grads_like(other, 1)
+    before = [t.clone() for t in optree.tree_leaves((other, state))]
+    with pytest.raises(ValueError, match=r"\['w'\]: update shape \(128, 64\) does not match expected \(64, 128\)"):
+        if path == "step":
+            fadam.step(tx, other, grads, state, donate=True)
+        else:
+            tx.update(grads, state, other)
+    after = optree.tree_leaves((other, state))
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(after, before))

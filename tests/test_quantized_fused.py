@@ -192,6 +192,8 @@ def _corrupt(q, name):
         return q._replace(absmax=q.absmax.double())
     if name == "unknown map id":
         return q._replace(map_id=torch.tensor(9, dtype=torch.uint8))
+    if name == "another shape":  # codes and absmax of the right sizes for it
+        return q._replace(like=torch.empty(32, 32, 0, dtype=torch.uint8))
     assert name == "1-d map id"
     return q._replace(map_id=q.map_id.reshape(1))
 
@@ -207,6 +209,7 @@ def _corrupt(q, name):
         "int32 codes",
         "float64 absmax",
         "unknown map id",
+        "another shape",
         "1-d map id",
     ],
 )

@@ -788,6 +788,11 @@ struct TensorFacts {
   bool is(int32_t want, int64_t length) const {
     return dtype == want && contiguous && (length < 0 ? dim == 0 : dim == 1 && sizes[0] == length);
   }
+  // a QuantizedArray's `like` for a tensor of `other`'s shape: of dtype, shaped (*other's shape, 0)
+  bool is_shape_of(const TensorFacts& other, int32_t want) const {
+    return dtype == want && dim == other.dim + 1 && std::equal(other.sizes, other.sizes + other.dim, sizes) &&
+           sizes[other.dim] == 0;
+  }
 };
 
 // The data pointer is read last: a tensor without storage (a torch.func wrapper, say) logs the shim's error there.
@@ -819,13 +824,13 @@ struct Reading {
 };
 
 // One donated step's leaves, each of kinds[i] tensors among `handles` (a list of capsules of torch's tensor
-// handles, torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors'): 8 for quantized moments (p, g, and the codes,
-// absmax and map id of m, then of v), 4 for float32 ones (p, g, m, v). Checks each as _fused._plan,
+// handles, torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors'): 10 for quantized moments (p, g, and the codes,
+// absmax, map id and like of m, then of v), 4 for float32 ones (p, g, m, v). Checks each as _fused._plan,
 // _native.Leaves.add and add_full do and writes the fields of those with rows into `fields` (kLeafFields each).
 // Returns how many, or -1 where any leaf needs Python's path: a tensor not contiguous, not on the CPU, of another
-// dtype or shape, moments stored with other maps, a ragged last block the kernel leaves to Python, or two leaves
-// writing one tensor (tied weights). Deletes every handle, unless torch lacks the shim (_native asks
-// fadam_reads_leaves first and then never calls this).
+// dtype or shape, moments made for another shape or stored with other maps, a ragged last block the kernel leaves to
+// Python, or two leaves writing one tensor (tied weights). Deletes every handle, unless torch lacks the shim (_native
+// asks fadam_reads_leaves first and then never calls this).
 extern "C" int64_t fadam_read_leaves(PyObject* handles, const int64_t* kinds, int64_t count, const Reading* reading,
                                      int64_t* fields) {
   if (!has_shim()) return -1;
@@ -856,12 +861,13 @@ extern "C" int64_t fadam_read_leaves(PyObject* handles, const int64_t* kinds, in
     const int64_t n = p.numel(), rows = (n + r.block - 1) / r.block, tail = n % r.block;
     int64_t* f = fields + recorded * kLeafFields;
     const auto address = [](const TensorFacts& x) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(x.data)); };
-    if (kinds[leaf] == 8) {
-      const TensorFacts &m_codes = t[2], &m_absmax = t[3], &m_map = t[4], &v_codes = t[5], &v_absmax = t[6],
-                   &v_map = t[7];
+    if (kinds[leaf] == 10) {
+      const TensorFacts &m_codes = t[2], &m_absmax = t[3], &m_map = t[4], &m_like = t[5], &v_codes = t[6],
+                   &v_absmax = t[7], &v_map = t[8], &v_like = t[9];
       const int64_t codes = r.bits == 8 ? n : (n + 1) / 2;
-      if (!m_codes.is(uint8, codes) || !v_codes.is(uint8, codes) || !m_absmax.is(float32, rows) ||
-          !v_absmax.is(float32, rows) || !m_map.is(uint8, -1) || !v_map.is(uint8, -1) ||
+      if (!m_like.is_shape_of(p, uint8) || !v_like.is_shape_of(p, uint8) || !m_codes.is(uint8, codes) ||
+          !v_codes.is(uint8, codes) || !m_absmax.is(float32, rows) || !v_absmax.is(float32, rows) ||
+          !m_map.is(uint8, -1) || !v_map.is(uint8, -1) ||
           *static_cast<uint8_t*>(m_map.data) != r.m_map_id || *static_cast<uint8_t*>(v_map.data) != r.v_map_id ||
           (r.bits == 4 && tail % 2 != 0)) {
         return -1;

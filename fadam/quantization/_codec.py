@@ -7,7 +7,9 @@ rather than one an element): one byte at 8 bits, two codes per byte at 4 bits (l
 the codes is a 0-d uint8 ``map_id`` computed on the tensor's device from the values themselves (no host sync): a
 tensor with no negative entry uses the non-negative map (twice the resolution at 8 bits; the zero-free linear map at
 4 bits, for second moments), any other the signed dynamic map. Everything is plain tensor ops on the logical tensor,
-so under ``torch.func.vmap`` each stacked member gets its own blocks and its own map.
+so under ``torch.func.vmap`` each stacked member gets its own blocks and its own map. The tensor's shape is kept as
+the shape of an empty tensor (``QuantizedArray.like``), so that a quantized array knows what it stands for with no
+data, no host sync and nothing but tensors in it.
 
 Infinities round-trip. A block holding ``+-inf`` stores its scale negated, ``-max(absmax, 2**-126)`` (a reciprocal
 that stays finite): there the codes of ``+-1`` stand for ``+-inf``, and the finite entries are encoded for
@@ -34,11 +36,22 @@ _LEAST_INFINITE_SCALE = torch.finfo(torch.float32).tiny
 
 
 class QuantizedArray(NamedTuple):
-    """A blockwise-quantized tensor; its shape is its param's (known to whoever holds both)."""
+    """A blockwise-quantized tensor of shape ``shape``."""
 
     codes: torch.Tensor  # uint8: n codes (8-bit) or ceil(n / 2) bytes of two codes (4-bit)
     absmax: torch.Tensor  # float32 scales, one per block of block_size elements (negative: the block holds an inf)
     map_id: torch.Tensor  # 0-d uint8: which map of fadam.quantization._maps.MAP_IDS decodes the codes
+    like: torch.Tensor  # uint8 of shape (*shape, 0): no elements, its shape is the quantized tensor's
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the tensor that the codes stand for."""
+        return self.like.shape[:-1]
+
+
+def shape_like(shape: torch.Size | tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """A ``QuantizedArray.like`` for ``shape``."""
+    return torch.empty((*shape, 0), dtype=torch.uint8, device=device)
 
 
 def map_pair(bits: int) -> tuple[int, int]:
@@ -142,20 +155,21 @@ def quantize_blockwise(
     if map_id is None:
         map_id = torch.where((blocks < 0).any(), signed, unsigned).to(torch.uint8)
     codes, absmax = encode_rows(blocks, bits, map_id)
-    return QuantizedArray(codes.reshape(-1)[: expected_sizes(n, bits, block_size)[0]], absmax, map_id)
+    codes = codes.reshape(-1)[: expected_sizes(n, bits, block_size)[0]]
+    return QuantizedArray(codes, absmax, map_id, shape_like(x.shape, x.device))
 
 
 def dequantize_blockwise(
-    q: QuantizedArray, shape: torch.Size | tuple[int, ...], bits: int = 8, block_size: int = 256
+    q: QuantizedArray, shape: torch.Size | tuple[int, ...] | None = None, bits: int = 8, block_size: int = 256
 ) -> torch.Tensor:
-    """The float32 tensor of ``shape`` that ``q`` encodes."""
+    """The float32 tensor that ``q`` encodes, of its shape; ``shape``, if given, must be that shape."""
     map_pair(bits)
-    n = 1
-    for size in shape:
-        n *= size
+    if shape is not None and tuple(shape) != tuple(q.shape):
+        raise ValueError(f"quantized array of shape {tuple(q.shape)} cannot be dequantized as shape {tuple(shape)}")
+    n = q.shape.numel()
     width = block_size if bits == 8 else block_size // 2
     rows = _blocks(q.codes, width)  # zero-padded codes decode to junk that is sliced off below
-    return decode_rows(rows, q.absmax, bits, q.map_id).reshape(-1)[:n].reshape(shape)
+    return decode_rows(rows, q.absmax, bits, q.map_id).reshape(-1)[:n].reshape(q.shape)
 
 
 def expected_sizes(n: int, bits: int, block_size: int) -> tuple[int, int]:

@@ -24,7 +24,8 @@ may choose the non-negative map for an m that happens to have no negative entry;
 params, eagerly otherwise, with the step's scalars in float64 where the param or its moments are float64. A donated step
 whose leaves all go to the C++ kernel as they are is read and checked in C++ (``_native.read_leaves``), not leaf by leaf
 here; any other goes through ``_plan``. Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous
-params, tensor weight decay, an ``update`` without params) takes the chain.
+params, tensor weight decay, an ``update`` without params, a state made for other shapes) takes the chain, which
+refuses a wrong state naming it. Non-contiguous gradients are copied contiguous first.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from fadam.quantization._codec import (
     map_pair,
     quantize_blockwise,
     row_absmax,
+    shape_like,
 )
 from fadam.quantization._maps import MAP_IDS, Tables, map_values, tables_on
 from fadam.quantization._wrapper import QuantizedState
@@ -255,9 +257,9 @@ def _plan(
     """How the fused step runs a leaf: ``(route, m_id, v_id)``, with the ids of the maps its moments are stored with
     where the C++ kernel takes it (read here, on the CPU), or ``None`` where the chain must (it raises the error that
     names a bad leaf). All that the kernels rely on is checked here, before any leaf is written: plain tensors on the
-    param's device, a floating param and its gradient in one dtype, and for quantized moments uint8 codes and float32
-    absmax, contiguous, of exactly the param's sizes (the C++ kernel writes through their addresses) and 0-d uint8
-    map ids (on the CPU, ids of known maps)."""
+    param's device, a floating param and its gradient in one dtype, and for quantized moments made for the param's
+    shape, uint8 codes and float32 absmax, contiguous, of exactly the param's sizes (the C++ kernel writes through
+    their addresses) and 0-d uint8 map ids (on the CPU, ids of known maps)."""
     if not isinstance(p, torch.Tensor) or g is None or p.dtype != g.dtype or not p.is_floating_point():
         return None  # a skipped param (no gradient) or a complex one: the chain
     if not isinstance(m, QuantizedArray):
@@ -279,8 +281,10 @@ def _plan(
         return (_NATIVE_FULL if native_full else _FULL), None, None
     if not isinstance(v, QuantizedArray):
         return None
-    m_codes, m_absmax, m_map = m
-    v_codes, v_absmax, v_map = v
+    m_codes, m_absmax, m_map, _ = m
+    v_codes, v_absmax, v_map, _ = v
+    if m.shape != p.shape or v.shape != p.shape:
+        return None  # the chain raises the error that names the leaf
     if not plain_on_device((p, g, m_codes, m_absmax, m_map, v_codes, v_absmax, v_map), p, grad_enabled):
         return None
     codes, blocks = expected_sizes(p.numel(), bits, block_size)
@@ -309,10 +313,15 @@ def _targets(p: torch.Tensor, m: Any, v: Any, mode: str) -> tuple[torch.Tensor, 
     """What a leaf's kernel writes in place: p, m and v (tensors or ``QuantizedArray``s) themselves when donated, else
     copies of the moments, and of p for "copy"; and ``out``, a fresh tensor for the update in mode "update"."""
     if mode != "donate":
-        m, v = (QuantizedArray(*(t.clone() for t in q)) if isinstance(q, QuantizedArray) else q.clone() for q in (m, v))
+        m, v = (_cloned(q) if isinstance(q, QuantizedArray) else q.clone() for q in (m, v))
     if mode == "copy":
         p = p.clone()
     return p, m, v, torch.empty_like(p) if mode == "update" else None
+
+
+def _cloned(q: QuantizedArray) -> QuantizedArray:
+    # `like` holds no data: shared
+    return q._replace(codes=q.codes.clone(), absmax=q.absmax.clone(), map_id=q.map_id.clone())
 
 
 def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,7 +459,7 @@ def fused_quantized_adam_step(
             return None
         coupled_decay = bool(weight_decay) and not decoupled
         tensors: list[torch.Tensor] = []
-        kinds = []  # tensors per leaf: 8 with quantized moments, 4 with float32 ones
+        kinds = []  # tensors per leaf: 10 with quantized moments, 4 with float32 ones
         for p, g, m, v in zip(
             param_leaves, grad_leaves, spec.flatten_up_to(adam_state.mu), spec.flatten_up_to(adam_state.nu)
         ):
@@ -488,9 +497,10 @@ def fused_quantized_adam_step(
         new_m, new_v = _with_map(m, m_id, signed), _with_map(v, v_id, unsigned)  # the codes and absmax of m and v
         if tail and not ragged_done:  # the ragged last block, eagerly, with the same math and the codec's padding
             p_tail, g_tail = p.view(-1)[rows * block_size :], g.reshape(-1)[rows * block_size :]
-            m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id) for q in (m, v))
-            m_full = dequantize_blockwise(m_tail, (tail,), bits, block_size)
-            v_full = dequantize_blockwise(v_tail, (tail,), bits, block_size)
+            like = shape_like((tail,), p.device)
+            m_tail, v_tail = (QuantizedArray(q.codes[rows * width :], q.absmax[rows:], q.map_id, like) for q in (m, v))
+            m_full = dequantize_blockwise(m_tail, bits=bits, block_size=block_size)
+            v_full = dequantize_blockwise(v_tail, bits=bits, block_size=block_size)
             m_full, v_full = _moments(p_tail, g_tail, m_full, v_full, config)
             u = _update(p_tail, m_full, v_full, scalars_for(p), config)
             if out is None:

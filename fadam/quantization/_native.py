@@ -313,8 +313,8 @@ class Leaves:
         """Records the leaf's whole blocks and, where the kernel can take it, its ragged last block as a last, shorter
         row (any length at 8 bits, an even one at 4: an odd one ends in half a byte). False if the ragged block is
         left to the caller. The caller has checked the leaf (``_fused._plan``: float32 or bfloat16 params and
-        gradients, uint8 codes and float32 absmax of the param's sizes, all contiguous on the CPU), read its maps' ids,
-        ``m_id`` and ``v_id``, and holds p, out, m and v until ``run``.
+        gradients, moments made for the param's shape with uint8 codes and float32 absmax of its sizes, all
+        contiguous on the CPU), read its maps' ids, ``m_id`` and ``v_id``, and holds p, out, m and v until ``run``.
 
         Not for bfloat16 params with Adam's L2 decay either: the chain's ``torch.add(g, p, alpha)`` takes ATen's
         scalar loop for a leaf's last ``numel % 64`` elements (its vector loop steps two 32-lane vectors), which rounds
@@ -398,11 +398,11 @@ def _reader() -> tuple[Callable[[list[torch.Tensor]], list[Any]], Any] | None:
 def read_leaves(
     tensors: list[torch.Tensor], kinds: list[int], bits: int, block_size: int, coupled_decay: bool
 ) -> tuple[array.array, int] | None:
-    """The fields of a donated step's leaves, checked in C++: ``kinds`` says how many of ``tensors`` each leaf has, 8
-    for quantized moments (p, g, and m's codes, absmax and map id, then v's) and 4 for float32 ones (p, g, m, v).
-    Returns ``(fields, leaves)`` for ``run_fields``, or ``None`` where any leaf needs ``_fused._plan`` and ``Leaves``
-    (the library's comment on ``fadam_read_leaves`` lists when). The caller has checked that every tensor is a plain
-    one that autograd need not track and holds them until ``run_fields``. Nothing is written."""
+    """The fields of a donated step's leaves, checked in C++: ``kinds`` says how many of ``tensors`` each leaf has,
+    10 for quantized moments (p, g, and m's codes, absmax, map id and like, then v's) and 4 for float32 ones (p, g, m,
+    v). Returns ``(fields, leaves)`` for ``run_fields``, or ``None`` where any leaf needs ``_fused._plan`` and
+    ``Leaves`` (the library's comment on ``fadam_read_leaves`` lists when). The caller has checked that every tensor
+    is a plain one that autograd need not track and holds them until ``run_fields``. Nothing is written."""
     reader = _reader() if available() else None
     if reader is None:
         return None

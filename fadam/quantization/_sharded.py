@@ -9,7 +9,8 @@ Layout of a ``QuantizedArray`` for a DTensor state leaf ``x``:
 - ``absmax``: a plain float32 tensor, one scale per block of ``block_size`` elements of the *flattened local shard*
   (the last block of a shard may be short); it differs from rank to rank;
 - ``map_id``: a plain 0-d uint8, the map chosen from the local shard's values (no collective); it also tells the bits
-  (``sharded_bits``).
+  (``sharded_bits``);
+- ``like``: a plain empty tensor of shape ``(*x.shape, 0)``, ``x``'s global shape (as the codes').
 
 So quantizing never communicates, and the full-precision/quantized choice is made on the DTensor's global size. A shard
 has the same blocks as one process when the param is sharded along dim 0 and every shard starts at a multiple of
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from fadam._dispatch import is_dtensor
-from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, quantize_blockwise, unpack_codes
+from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, quantize_blockwise, shape_like, unpack_codes
 from fadam.quantization._maps import MAP_IDS
 
 __all__ = [
@@ -74,7 +75,7 @@ def quantize_sharded(x: Any, bits: int, block_size: int) -> QuantizedArray:
     codes = q.codes
     if bits == 4:  # one code per byte, so that the codes shard like the param
         codes = unpack_codes(codes, 4)[: local.numel()].to(torch.uint8)
-    return QuantizedArray(_wrap(codes.reshape(local.shape), x), q.absmax, q.map_id)
+    return q._replace(codes=_wrap(codes.reshape(local.shape), x), like=shape_like(x.shape, local.device))
 
 
 def dequantize_sharded(q: QuantizedArray, bits: int, block_size: int) -> Any:
@@ -84,7 +85,8 @@ def dequantize_sharded(q: QuantizedArray, bits: int, block_size: int) -> Any:
     if bits == 4:  # repack the local codes two per byte (low nibble first) for the decoder
         flat = torch.nn.functional.pad(flat, (0, flat.numel() % 2))
         flat = flat[0::2] | (flat[1::2] << 4)
-    local = dequantize_blockwise(QuantizedArray(flat, q.absmax, q.map_id), codes.shape, bits, block_size)
+    local_q = QuantizedArray(flat, q.absmax, q.map_id, shape_like(codes.shape, codes.device))
+    local = dequantize_blockwise(local_q, bits=bits, block_size=block_size)
     return _wrap(local, q.codes)
 
 

@@ -111,6 +111,10 @@ def quantize_state(
     sets a scale: a NaN gradient makes that step's update, and so the param, NaN exactly where fp32 Adam's are, but
     the element's later updates come from a state that no longer holds the NaN.
 
+    Each quantized leaf records the shape it was made for (``QuantizedArray.shape``): an update, or a checkpoint
+    loaded by ``fadam.state_from_dict``, of any other shape is refused with an error naming the leaf, before anything
+    changes, even where the element count is the same.
+
     Args:
         inner: the transform whose state to quantize.
         bits: 8 or 4.
@@ -185,6 +189,11 @@ def quantize_state(
                 continue
             if not isinstance(g, torch.Tensor):
                 raise ValueError(f"updates leaf for state {path_str(paths[index])}: expected a tensor, got {g!r}")
+            if g.shape != leaf.shape:
+                raise ValueError(
+                    f"quantized state at {path_str(paths[index])}: update shape {tuple(g.shape)} does not match "
+                    f"expected {tuple(leaf.shape)}"
+                )
             if is_dtensor(leaf.codes):
                 _check_sharded(leaf, g, block, path_str(paths[index]))
                 full[index] = passed[index] = dequantize_sharded(leaf, bits, block)
@@ -200,7 +209,7 @@ def quantize_state(
                     f"quantized state at {path_str(paths[index])} holds {sizes[0]} codes and {sizes[1]} blocks, but "
                     f"its update has shape {tuple(g.shape)} (expected {expected_sizes(g.numel(), bits, block)})"
                 )
-            full[index] = passed[index] = dequantize_blockwise(leaf, g.shape, bits, block)
+            full[index] = passed[index] = dequantize_blockwise(leaf, bits=bits, block_size=block)
         new_updates, new_inner = inner.update(updates, spec.unflatten(full), params, **extra_args)
         new_leaves, new_spec = _flatten(new_inner)
         if new_spec != spec:
