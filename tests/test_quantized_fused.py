@@ -176,6 +176,21 @@ def test_fused_step_declines_what_it_cannot_run():
     assert tx.update.fused_step(strided, grads, tx.init(strided), False) is None
 
 
+@pytest.mark.parametrize(
+    ("other", "error"),
+    [
+        (fadam.adamw8bit(min_size=1), "chain of 2 transforms got a state that is not a tuple of that length"),
+        (fadam.adam8bit(min_size=1, amsgrad=True), "scale_by_adam was given a ScaleByAmsgradState"),
+    ],
+)
+def test_a_state_laid_out_for_another_chain_is_left_to_the_chain(other, error):
+    params, grads = {"w": torch.randn(1024)}, {"w": torch.randn(1024)}
+    tx, state = fadam.adam8bit(min_size=1), other.init(params)
+    assert tx.update.fused_step(params, grads, state, True) is None
+    with pytest.raises(ValueError, match=error):
+        tx.update(grads, state, params)
+
+
 def _corrupt(q, name):
     """``q`` with one part malformed: what a hand-built or damaged checkpoint could hold."""
     if name == "short codes":

@@ -37,15 +37,17 @@ def _quantized_adam(
     _check_adam_args(lr, betas, eps, weight_decay)
     head, tail = _head(maximize, weight_decay, decoupled), _tail(lr, weight_decay, decoupled)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad)
-    tx = chain(
+    members = [
         *head,
         quantize_state(adam_tx, bits=bits, block_size=block_size, min_size=min_size),
         scale_by_learning_rate(lr),
         *tail,
-    )
+    ]
+    tx = chain(*members)
     if amsgrad:
         return tx
     fused_step, fused_update = fused_quantized_adam_step(
+        members=len(members),
         adam_index=len(head),
         lr=lr,
         b1=betas[0],

@@ -24,8 +24,8 @@ may choose the non-negative map for an m that happens to have no negative entry;
 params, eagerly otherwise, with the step's scalars in float64 where the param or its moments are float64. A donated step
 whose leaves all go to the C++ kernel as they are is read and checked in C++ (``_native.read_leaves``), not leaf by leaf
 here; any other goes through ``_plan``. Anything else (vmap, autograd, DTensor, AMSGrad, Nesterov, non-contiguous
-params, tensor weight decay, an ``update`` without params, a state made for other shapes) takes the chain, which
-refuses a wrong state naming it. Non-contiguous gradients are copied contiguous first.
+params, tensor weight decay, an ``update`` without params, a state made for other shapes or another chain) takes the
+chain, which refuses a wrong state naming it. Non-contiguous gradients are copied contiguous first.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch._C import _functorch
 
 from fadam._base import FusedStep, ScalarOrSchedule
 from fadam._dispatch import PLAIN_TYPES, plain_on_device
-from fadam._fused import _advance, _learning_rate
+from fadam._fused import _advance, _learning_rate, _own_state
 from fadam._numerics import bias_correction, bias_correction_number, safe_increment
 from fadam._tree import PyTree, check_leaves, tree_flatten
 from fadam.quantization import _native as native
@@ -331,6 +331,7 @@ def _split_rows(t: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, t
 
 def fused_quantized_adam_step(
     *,
+    members: int,
     adam_index: int,
     lr: ScalarOrSchedule,
     b1: float,
@@ -345,7 +346,8 @@ def fused_quantized_adam_step(
     """``(fused_step, fused_update)``: ``fused_step(params, grads, state, donate)`` returns ``(new_params,
     new_state)`` and ``fused_update(grads, state, params)`` returns ``(updates, new_state)``, nothing modified, where
     ``apply_updates(params, updates)`` is the fused step's params bit for bit. Either returns ``None`` when the inputs
-    need the chain."""
+    need the chain, a state not laid out as the chain of ``members`` transforms leaves it (the quantized Adam state at
+    ``adam_index``) included."""
     config = (b1, b2, eps, weight_decay, decoupled, maximize)
     signed, unsigned = map_pair(bits)  # the maps the step writes m and v with
 
@@ -359,15 +361,17 @@ def fused_quantized_adam_step(
         # mode: "donate" writes params and state in place; "copy" writes copies; "update" returns the updates
         if isinstance(weight_decay, torch.Tensor) or torch.compiler.is_compiling():
             return None  # while tracing, the chain: its torch ops trace, a ctypes call would break the graph
-        wrapper_state = state[adam_index] if isinstance(state, tuple) and len(state) > adam_index else None
+        if not _own_state(state, members, adam_index, QuantizedState) or not isinstance(
+            state[adam_index].inner_state, ScaleByAdamState
+        ):
+            return None  # a state laid out otherwise: the chain's update refuses it, naming what it expected
+        wrapper_state = state[adam_index]
         grad_enabled = torch.is_grad_enabled()
         read = None  # a donated step's leaves, read in C++: (fields, leaves) for native.run_fields
-        if mode == "donate" and isinstance(wrapper_state, QuantizedState):
+        if mode == "donate":
             read = _read_in_one_call(params, grads, wrapper_state.inner_state, grad_enabled)
         if read is None:
             grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
-            if not isinstance(wrapper_state, QuantizedState):
-                return None  # the chain raises the error that names the problem
             mus = spec.flatten_up_to(wrapper_state.inner_state.mu)
             nus = spec.flatten_up_to(wrapper_state.inner_state.nu)
             plans = []
