@@ -513,3 +513,40 @@ def test_a_nan_gradient_makes_the_param_nan_exactly_where_fp32_adam_does(make, p
         for k in params:
             assert torch.equal(a[k].isnan(), b[k].isnan()), (step, k)
             assert int(a[k].isnan().sum()) == (step >= 1)
+
+
+def _layouts() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(param, gradient, the tensor the param is a view of) of each non-contiguous layout."""
+    torch.manual_seed(0)
+    base = torch.randn(1000, 3)
+    return {
+        "strided param": (base[:, 0], torch.randn(1000), base),
+        "transposed param": (torch.randn(40, 33).t(), torch.randn(33, 40), None),
+        "transposed gradient": (torch.randn(33, 40), torch.randn(40, 33).t(), None),
+    }
+
+
+@pytest.mark.parametrize("layout", ["strided param", "transposed param", "transposed gradient"])
+@pytest.mark.parametrize("make", [fadam.adamw8bit, fadam.adam4bit])
+@pytest.mark.parametrize("path", ["update", "step"])
+def test_non_contiguous_params_and_gradients_give_the_results_of_contiguous_ones(layout, make, path, kernel):
+    p, g, base = _layouts()[layout]
+    untouched = None if base is None else base[:, 1:].clone()
+    tx = make(lr=1e-2, weight_decay=0.1, min_size=64)
+    results = []
+    for param, grad in ((p.contiguous().clone(), g.contiguous()), (p, g)):
+        params, state = {"w": param}, tx.init({"w": param})
+        for _ in range(3):
+            if path == "update":
+                updates, state = tx.update({"w": grad}, state, params)
+                params = fadam.apply_updates(params, updates)
+            else:
+                params, state = fadam.step(tx, params, {"w": grad}, state, donate=True)
+        results.append((params["w"], state))
+    (p_contiguous, s_contiguous), (p_strided, s_strided) = results
+    exact = kernel == "native" or layout == "transposed gradient"  # else the chain against the torch kernels
+    torch.testing.assert_close(p_strided, p_contiguous, rtol=0, atol=0 if exact else 1e-4)
+    if exact:
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(s_strided), optree.tree_leaves(s_contiguous)))
+    if base is not None:
+        assert torch.equal(base[:, 1:], untouched)  # nothing written past the view's elements
