@@ -5,6 +5,8 @@ torch.optim's per-param dicts and fadam's functional state, so a run can switch 
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -25,6 +27,9 @@ __all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
 
 _LR_KEYS = ("learning_rate", "lr")
+# what a copy or a pickle carries besides torch.optim's defaults, state and param_groups; the transforms of factory
+# groups are rebuilt, as they read their group's lr
+_CARRIED = ("_specs", "_modes", "_base_lrs", "_given", "tx_states")
 # the optree namespace in which this module flattens dicts in insertion order: the order params were given in
 _GIVEN_ORDER = "fadam.bridge"
 
@@ -271,8 +276,15 @@ class Optimizer(torch.optim.Optimizer):
     params by position, so named and unnamed optimizers load each other's state, checks every entry and leaf against
     the optimizer's own state and loads nothing unless all match. It also takes a torch.optim optimizer's
     ``state_dict`` (converted as ``fadam.state_from_torch`` does) and the older fadam layout (a list of state leaves
-    per group; only into groups with the same param names). ``torch.amp.GradScaler`` works through its standard path
+    per group; only into groups with the same param names). Both run torch.optim's ``state_dict`` and
+    ``load_state_dict`` hooks, and ``step`` its step hooks. ``torch.amp.GradScaler`` works through its standard path
     (``scaler.unscale_`` then a skipped step when a gradient is not finite).
+
+    ``copy.deepcopy`` gives an independent optimizer: param groups and state are copied as torch.optim's are, through
+    the memo (``copy.deepcopy((model, optimizer))`` steps the copied model), factories are rebuilt to read the copied
+    groups' ``lr``, and transforms are shared. ``pickle`` works when every ``tx`` pickles (a factory such as
+    ``fadam.adam`` or a ``functools.partial`` of one); fadam's ready transforms are closures, and ``pickle.dumps``
+    refuses them: save ``state_dict()`` and load it into a new ``fadam.Optimizer``.
 
     Args:
         params: params, named params or param-group dicts (keys ``params``, optional ``tx``, ``lr`` and others).
@@ -294,6 +306,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], tx: TransformOrFactory, *, lr: float | torch.Tensor | None = None):
         self._txs: list[GradientTransformation] = []
+        self._specs: list[TransformOrFactory] = []  # each group's tx as given
         self._modes: list[str] = []
         self._base_lrs: list[float] = []
         self._given: list[_Given] = []
@@ -352,6 +365,7 @@ class Optimizer(torch.optim.Optimizer):
             del self.param_groups[-1]
             raise
         self._txs.append(tx)
+        self._specs.append(spec)
         self._modes.append(mode)
         self._base_lrs.append(_lr_value(group["lr"]))
         self._given.append(given)
@@ -392,6 +406,42 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"tx(lr=...) returned a {type(tx).__name__}, expected a GradientTransformation")
         return tx
+
+    # --- copies ----------------------------------------------------------------------------------------------------
+
+    def _carried(self) -> dict[str, Any]:
+        return {**super().__getstate__(), **{key: self.__dict__[key] for key in _CARRIED}}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickle saves; refuses, naming it, a transform that does not pickle (fadam's are closures)."""
+        specs = [("tx", self.defaults["tx"])] + [(f"param group {i}'s tx", s) for i, s in enumerate(self._specs)]
+        for where, spec in specs:
+            try:
+                pickle.dumps(spec)
+            except (pickle.PicklingError, AttributeError, TypeError) as error:
+                raise pickle.PicklingError(
+                    f"cannot pickle this fadam.Optimizer: its {where} does not pickle ({error}); save its "
+                    "state_dict() and load that into a new fadam.Optimizer, or give a factory such as fadam.adam"
+                ) from None
+        return self._carried()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._txs = [
+            self._built(spec, group) if mode == "factory" else spec
+            for spec, mode, group in zip(self._specs, self._modes, self.param_groups)
+        ]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Optimizer:
+        """An independent optimizer: its own param groups and state, copied through ``memo`` as torch.optim's are
+        (``copy.deepcopy((model, optimizer))`` steps the copied model); the transforms, pure functions, are shared.
+        Hooks are not copied, as by torch.optim."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for spec in (self.defaults["tx"], *self._specs):
+            memo[id(spec)] = spec
+        twin.__setstate__(copy.deepcopy(self._carried(), memo))
+        return twin
 
     # --- stepping ---------------------------------------------------------------------------------------------------
 

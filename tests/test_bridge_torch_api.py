@@ -3,9 +3,13 @@ run side by side with a torch.optim optimizer doing the same."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
+import pickle
 from collections.abc import Callable
 
+import optree
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -192,3 +196,115 @@ def test_one_name_for_two_params_is_refused_and_a_named_entry_listed_twice_is_on
     with pytest.warns(UserWarning, match="duplicate parameters"):
         opt = fadam.Optimizer([("a", ps[0]), ("b", ps[1]), ("a", ps[0])], fadam.sgd, lr=0.1)
     assert opt.param_groups[0]["params"] == ps and opt.param_groups[0]["param_names"] == ["a", "b"]
+
+
+# --- copy.deepcopy and pickle -------------------------------------------------------------------------------------
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _leaves(opt: fadam.Optimizer) -> list[torch.Tensor]:
+    return [leaf for leaf in optree.tree_leaves(opt.tx_states) if isinstance(leaf, torch.Tensor)]
+
+
+MODES = {
+    "factory": lambda ps: fadam.Optimizer(ps, functools.partial(fadam.adamw, weight_decay=0.1), lr=1e-2),
+    "injected": lambda ps: fadam.Optimizer(ps, fadam.inject_hyperparams(fadam.adam)(lr=1e-2)),
+    "ready": lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-2), lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("make", MODES.values(), ids=MODES.keys())
+def test_deepcopy_with_the_model_is_independent_and_follows_the_same_trajectory(make):
+    model = _model()
+    opt = make(model.parameters())
+    _train(model, opt, 3)
+    twin_model, twin = copy.deepcopy((model, opt))
+    assert all(p is q for p, q in zip(twin.param_groups[0]["params"], twin_model.parameters()))
+    storages = {leaf.untyped_storage().data_ptr() for leaf in _leaves(opt)}
+    assert not storages & {leaf.untyped_storage().data_ptr() for leaf in _leaves(twin)}
+    before = [leaf.clone() for leaf in _leaves(opt)]
+    _train(twin_model, twin, 4, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(opt), before))  # the original's state is untouched
+    _train(model, opt, 4, start=3)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    assert all(torch.equal(a, b) for a, b in zip(_leaves(opt), _leaves(twin)))
+
+
+@pytest.mark.parametrize("make", MODES.values(), ids=MODES.keys())
+def test_a_deep_copy_steps_with_its_own_groups_lr(make):
+    model = _model()
+    opt = make(model.parameters())
+    twin_model, twin = copy.deepcopy((model, opt))
+    twin.param_groups[0]["lr"] = 0.0  # a factory's transform must read the copy's group, not the original's
+    frozen = [p.detach().clone() for p in twin_model.parameters()]
+    start = [p.detach().clone() for p in model.parameters()]
+    _train(twin_model, twin, 2)
+    _train(model, opt, 2)
+    assert all(torch.equal(p, q) for p, q in zip(twin_model.parameters(), frozen))
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), start))
+
+
+def test_deepcopy_of_the_optimizer_alone_copies_its_params_as_torch_does():
+    ours, theirs = _pair()
+    log: list = []
+    for opt in (ours, theirs):
+        opt.register_state_dict_pre_hook(lambda o: log.append(type(o).__name__))
+    copies = copy.deepcopy(ours), copy.deepcopy(theirs)
+    for original, twin in zip((ours, theirs), copies):
+        for p, q in zip(original.param_groups[0]["params"], twin.param_groups[0]["params"]):
+            assert p is not q and torch.equal(p, q)
+        twin.state_dict()  # hooks are not copied, by torch.optim either
+    assert log == []
+    _give_grads(copies[0])
+    copies[0].step()
+    assert not torch.equal(copies[0].param_groups[0]["params"][0], ours.param_groups[0]["params"][0])
+
+
+def test_pickle_carries_an_optimizer_built_from_picklable_factories():
+    model = _model()
+    head = {"params": model[2].parameters(), "tx": functools.partial(fadam.sgd, momentum=0.9)}
+    opt = fadam.Optimizer([{"params": model[0].parameters()}, head], fadam.adam, lr=1e-2)
+    _train(model, opt, 3)
+    twin_model, twin = pickle.loads(pickle.dumps((model, opt)))
+    twin.param_groups[1]["lr"] = opt.param_groups[1]["lr"] = 0.05
+    _train(model, opt, 3, start=3)
+    _train(twin_model, twin, 3, start=3)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    assert int(twin.tx_states[0][0].count) == 6
+
+
+def _with_own_injected_group(ps: list[torch.nn.Parameter]) -> fadam.Optimizer:
+    own = {"params": ps[1:], "tx": fadam.inject_hyperparams(fadam.sgd)(lr=0.1)}
+    return fadam.Optimizer([{"params": ps[:1]}, own], fadam.sgd, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "where"),
+    [
+        (lambda ps: fadam.Optimizer(ps, fadam.adam(lr=0.1), lr=0.1), "its tx does not pickle"),
+        (lambda ps: fadam.Optimizer(ps, lambda lr: fadam.sgd(lr), lr=0.1), "its tx does not pickle"),
+        (_with_own_injected_group, "its param group 1's tx does not pickle"),
+    ],
+    ids=["ready", "lambda-factory", "a-groups-own"],
+)
+def test_pickling_a_transform_that_does_not_pickle_fails_at_dumps_saying_what_to_do(make, where):
+    opt = make(list(_model().parameters()))
+    with pytest.raises(pickle.PicklingError, match=rf"^cannot pickle this fadam\.Optimizer: {where} .*state_dict\(\)"):
+        pickle.dumps(opt)
+    with pytest.raises(pickle.PicklingError, match=r"^cannot pickle this fadam\.Optimizer"):
+        torch.save(opt, io.BytesIO())
