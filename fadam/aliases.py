@@ -62,6 +62,13 @@ def _check_adam_args(
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def _check_betas_types(betas: tuple[float | torch.Tensor, float | torch.Tensor]) -> None:
+    """torch.optim.Adam's rule, checked after the values: its kernels take two numbers or two tensors."""
+    pair = (betas[0], betas[1])
+    if not (all(isinstance(beta, float) for beta in pair) or all(isinstance(beta, torch.Tensor) for beta in pair)):
+        raise ValueError("betas must be either both floats or both Tensors (to learn one, give both as 0-d tensors)")
+
+
 def _has_decay(weight_decay: ScalarOrSchedule) -> bool:
     return isinstance(weight_decay, torch.Tensor) or callable(weight_decay) or weight_decay != 0
 
@@ -86,7 +93,7 @@ def adam(
 
     Args:
         lr: learning rate: a float, a 0-d tensor or a schedule.
-        betas: decays of the first and second moments.
+        betas: decays of the first and second moments: two floats or two 0-d tensors.
         eps: added to the denominator.
         weight_decay: L2 penalty added to the gradient (torch.optim.Adam's ``weight_decay``); may be a schedule.
         amsgrad: torch.optim's AMSGrad (running maximum of the raw second moment).
@@ -106,6 +113,7 @@ def adam(
         Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
     """
     _check_adam_args(lr, betas, eps, weight_decay)
+    _check_betas_types(betas)
     head = _head(maximize, weight_decay)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
     members = [*head, adam_tx, scale_by_learning_rate(lr)]
@@ -147,7 +155,7 @@ def adamw(
 
     Args:
         lr: learning rate: a float, a 0-d tensor or a schedule.
-        betas: decays of the first and second moments.
+        betas: decays of the first and second moments: two floats or two 0-d tensors.
         eps: added to the denominator.
         weight_decay: decoupled weight decay :math:`\lambda` (default 1e-2, as torch.optim.AdamW); may be a schedule.
         amsgrad: torch.optim's AMSGrad.
@@ -166,6 +174,7 @@ def adamw(
         Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019.
     """
     _check_adam_args(lr, betas, eps, weight_decay)
+    _check_betas_types(betas)
     head = _head(maximize, weight_decay, decoupled=True)
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
     members = [*head, adam_tx, scale_by_learning_rate(lr), *_tail(lr, weight_decay, decoupled=True)]
