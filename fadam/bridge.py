@@ -211,7 +211,7 @@ class _Given(NamedTuple):
 
 
 def _per_distinct(given: _Given, indices: Sequence[int]) -> list[int]:
-    """For each of a group's params, the index in ``indices`` (one per entry given) of its first entry."""
+    """For each of a group's params, the value ``indices`` (one per entry given) holds at its first entry."""
     first: dict[int, int] = {}
     for position, index in zip(given.positions, indices):
         first.setdefault(position, index)
