@@ -31,7 +31,7 @@ def make_params(numel: int, tensors: int, seed: int = 0) -> list[torch.nn.Parame
 CASES = {
     # name: (fadam optimizer factory, torch optimizer factory)
     "adam (fused kernel)": (
-        lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3)),
+        lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3), lr=1e-3),
         lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
     ),
     "adam factory lr (fused kernel)": (

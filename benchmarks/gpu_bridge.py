@@ -65,7 +65,7 @@ def parity(device: torch.device) -> None:
     cases = [
         (
             "adam vs Adam(fused)",
-            lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3)),
+            lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3), lr=1e-3),
             lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
             None,
             0.0,
@@ -86,7 +86,7 @@ def parity(device: torch.device) -> None:
         ),
         (
             "adam vs Adam(foreach)",
-            lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3)),
+            lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3), lr=1e-3),
             lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
             None,
             1e-5,
@@ -132,7 +132,7 @@ def mixed_precision(device: torch.device) -> None:
         f"accuracy {summary['accuracy']:.1%}, steps taken {int(summary['steps'])}/300, {summary['seconds']:.1f}s"
     )
     net = model(device)
-    opt = fadam.Optimizer(net.parameters(), fadam.adam(lr=1e-3))
+    opt = fadam.Optimizer(net.parameters(), fadam.adam(lr=1e-3), lr=1e-3)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
     x = torch.randn(8, 64, device=device)
     for poison in (False, True):
@@ -170,7 +170,7 @@ def speed(device: torch.device) -> None:
         return (time.perf_counter() - start) * 1e3
 
     variants = {
-        "fadam.Optimizer(adam)": lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3)),
+        "fadam.Optimizer(adam)": lambda ps: fadam.Optimizer(ps, fadam.adam(lr=1e-3), lr=1e-3),
         "fadam.Optimizer(adamw factory)": lambda ps: fadam.Optimizer(ps, fadam.adamw, lr=1e-3),
         "torch Adam(fused)": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
         "torch Adam(foreach)": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True),
