@@ -301,7 +301,7 @@ def test_step_never_fuses_or_writes_in_place_when_a_graph_is_needed(donate: bool
     the donated in-place add would both cut the graph to it."""
     for make in [
         lambda h: fadam.adam(lr=h),
-        lambda h: fadam.adam(lr=0.1, betas=(h, torch.tensor(0.999))),  # torch.optim: both floats or both tensors
+        lambda h: fadam.adam(lr=0.1, betas=(h, torch.tensor(0.999) if isinstance(h, torch.Tensor) else 0.999)),
         lambda h: fadam.adamw(lr=0.1, weight_decay=h),
         lambda h: fadam.sgd(lr=h, momentum=0.9),
         lambda h: fadam.sgd(lr=0.1, momentum=h),
