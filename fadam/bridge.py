@@ -15,6 +15,7 @@ import optree
 import torch
 
 from fadam._base import GradientTransformation, step
+from fadam._dispatch import first_overlap
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
 from fadam.quantization import QuantizedArray
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
@@ -173,34 +174,16 @@ def _checked(where: str, new: Any, old: Any) -> Any:
 # --- params that must not be updated twice --------------------------------------------------------------------------
 
 
-def _memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
-    """(device, first byte, end byte) of the memory ``t`` may touch; None when it has none (empty, meta, or a tensor
-    subclass without storage)."""
-    if t.numel() == 0 or t.is_meta:
-        return None
-    try:
-        start = t.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if start == 0:
-        return None
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return str(t.device), start, start + extent * t.element_size()
-
-
 def _check_no_overlap(labelled: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Refuses two different params whose memory overlaps (views of one buffer): each would be updated on its own,
     from its own gradient, and the shared elements would get both updates."""
-    spans = sorted((span, label, id(p)) for label, p in labelled if (span := _memory_span(p)) is not None)
-    reach: tuple[str, int, str, int] | None = None  # device, furthest end byte so far, whose it is, its id
-    for (device, start, end), label, ident in spans:
-        if reach is not None and reach[0] == device and start < reach[1] and ident != reach[3]:
-            raise ValueError(
-                f"{reach[2]} and {label} overlap in memory (views of one buffer) and would each be updated on their "
-                "own; optimize the buffer they share, or give them separate storage"
-            )
-        if reach is None or reach[0] != device or end > reach[1]:
-            reach = (device, end, label, ident)
+    found = first_overlap([p for _, p in labelled], [], [])
+    if found is not None:
+        (_, first), (_, second) = found
+        raise ValueError(
+            f"{labelled[first][0]} and {labelled[second][0]} overlap in memory (views of one buffer) and would each be "
+            "updated on their own; optimize the buffer they share, or give them separate storage"
+        )
 
 
 class _Given(NamedTuple):
@@ -337,14 +320,20 @@ class Optimizer(torch.optim.Optimizer):
                 "(torch.optim's for-loop steps it twice, its foreach and fused implementations otherwise)",
                 stacklevel=4,
             )
+        earlier = [
+            (f"param group {i} {label}", p)
+            for i, group in enumerate(self.param_groups)
+            for label, p in _labelled(group["params"], group.get("param_names"))
+        ]
+        known = {id(p) for _, p in earlier}  # a param of an earlier group is refused by torch.optim, with its message
         mine = [labelled[i] for i in first]
         _check_no_overlap(
-            [
-                (f"param group {i} {label}", p)
-                for i, group in enumerate(self.param_groups)
-                for label, p in _labelled(group["params"], group.get("param_names"))
+            earlier
+            + [
+                (f"param group {index} {label}", p)
+                for label, p in mine
+                if isinstance(p, torch.Tensor) and id(p) not in known
             ]
-            + [(f"param group {index} {label}", p) for label, p in mine if isinstance(p, torch.Tensor)]
         )
         return unique, _Given(positions, names)
 
