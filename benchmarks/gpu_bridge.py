@@ -1,4 +1,4 @@
-"""GPU checks for issue 3 items 4-5: fadam.Optimizer and the new aliases on CUDA, against torch.optim.
+"""GPU checks for fadam.Optimizer and the new aliases on CUDA, against torch.optim.
 
     python benchmarks/gpu_bridge.py          # < 90 s on one GPU; writes $OUT/bridge.txt when $OUT is set
 

@@ -1,4 +1,4 @@
-"""GPU checks for ``fadam.pmap`` and model-parallel params (issue 7); runs in well under a minute on one GPU.
+"""GPU checks for ``fadam.pmap`` and model-parallel params; runs in well under a minute on one GPU.
 
     python benchmarks/gpu_distributed.py            # from the repository root; OUT=dir also writes dir/distributed.txt
 

@@ -1,4 +1,4 @@
-"""GPU checks for schedules, inject_hyperparams and the robustness wrappers (issue 3, items 1-3), in one process.
+"""GPU checks for schedules, inject_hyperparams and the robustness wrappers, in one process.
 
     python benchmarks/gpu_training_wrappers.py            # on a CUDA machine, < 90 s
     python benchmarks/gpu_training_wrappers.py --device cpu   # dry run of the same checks

@@ -1,4 +1,4 @@
-"""``chain``, ``named_chain``, ``masked`` and ``partition`` (issue 2, item 3)."""
+"""``chain``, ``named_chain``, ``masked`` and ``partition``."""
 
 from __future__ import annotations
 

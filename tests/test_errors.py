@@ -1,4 +1,4 @@
-"""Bad input (issue 2, item 8): a clear ``ValueError`` naming the leaf's path, raised before anything is computed or
+"""Bad input: a clear ``ValueError`` naming the leaf's path, raised before anything is computed or
 written; and ``None`` gradients, which skip their param as torch.optim does.
 
 What matches torch.optim exactly with ``None`` gradients, and what does not:

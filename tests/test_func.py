@@ -1,4 +1,4 @@
-"""torch.func (issue 2, item 6): every transform works inside ``torch.func.grad`` (an inner step inside a loss that
+"""torch.func: every transform works inside ``torch.func.grad`` (an inner step inside a loss that
 is differentiated), with ``torch.func.functional_call``, and under ``torch.func.vmap``, where one vmapped
 ``init``/``update`` over N stacked models equals N separate runs.
 

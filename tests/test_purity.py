@@ -1,4 +1,4 @@
-"""Purity (issue 2, item 2): no public transform, alias, ``apply_updates`` or ``fadam.step`` (without donation)
+"""Purity: no public transform, alias, ``apply_updates`` or ``fadam.step`` (without donation)
 modifies any tensor passed in: params, updates and state are bit-identical afterwards and their version counters
 did not move (so not even an in-place write of the same values happened).
 

@@ -1,4 +1,4 @@
-"""Building blocks in ``fadam/transforms/`` against hand-computed values and optax's definitions (issue 2, item 3)."""
+"""Building blocks in ``fadam/transforms/`` against hand-computed values and optax's definitions."""
 
 from __future__ import annotations
 

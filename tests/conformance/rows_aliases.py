@@ -1,5 +1,5 @@
-"""Rows for the aliases of issue 3 item 4: torch.optim-matching ones checked against their class, the others against
-their papers' equations in tests/test_more_aliases.py."""
+"""Rows for the aliases beyond adam, adamw and sgd: torch.optim-matching ones checked against their class, the others
+against their papers' equations in tests/test_more_aliases.py."""
 
 from __future__ import annotations
 
