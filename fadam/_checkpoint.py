@@ -163,6 +163,11 @@ def _checked_leaf(path: tuple[Any, ...], value: Any, like: Any) -> Any:
         return value
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"state path {path_str(path)}: expected a tensor, got {type(value).__name__}")
+    if value.is_meta and not like.is_meta:
+        raise ValueError(
+            f"state path {path_str(path)}: the checkpoint holds a meta tensor, which has no values (it was saved from "
+            "a state made on the meta device)"
+        )
     if value.shape != like.shape:
         raise ValueError(
             f"state path {path_str(path)}: shape {tuple(value.shape)} does not match the optimizer's "

@@ -77,6 +77,7 @@ STATE_MIXUPS = [
     ("adagrad", "rmsprop", "scale_by_rss was given a ScaleByRmsState"),
     ("adafactor", "adam", "chain of 5 transforms got a state that is not a tuple of that length"),
     ("adam", "adam8bit", "chain of 2 transforms got a state that is not a tuple|scale_by_adam was given"),
+    ("adam8bit", "adam", "quantize_state was given a ScaleByAdamState as its state, expected a QuantizedState"),
 ]
 MAKERS = {
     "adam": lambda: fadam.adam(0.1),
@@ -165,6 +166,21 @@ def test_a_dict_mask_selects_leaves_of_an_ordereddict():
     tx = fadam.masked(fadam.scale(0.0), {"a": True, "b": False})
     updates, _ = tx.update(ordered, tx.init(ordered))
     assert torch.equal(updates["a"], torch.zeros(2)) and torch.equal(updates["b"], torch.ones(2))
+
+
+def test_a_dict_mask_of_quantize_state_selects_leaves_of_an_ordereddict():
+    ordered = collections.OrderedDict([("b", torch.ones(64, 128)), ("a", torch.ones(64, 128))])
+    tx = fadam.quantize_state(fadam.scale_by_adam(), mask={"a": True, "b": False})
+    state = tx.init(ordered)
+    quantized = {key: isinstance(leaf, fadam.QuantizedArray) for key, leaf in state.inner_state.mu.items()}
+    assert quantized == {"a": True, "b": False}
+
+
+def test_a_checkpoint_of_meta_tensors_is_refused_by_name():
+    tx = fadam.adam(0.1)
+    saved = fadam.state_to_dict(tx.init({"w": torch.zeros(3, device="meta")}))
+    with pytest.raises(ValueError, match=r"state path \[0\]\['mu'\]\['w'\]: the checkpoint holds a meta tensor"):
+        fadam.state_from_dict(tx.init({"w": torch.zeros(3)}), saved)
 
 
 def _large(n: int = 10_000) -> dict[str, torch.Tensor]:

@@ -25,16 +25,25 @@ class PartitionState(NamedTuple):
     inner_states: dict[Hashable, MaskedState]
 
 
-def _full_tree(prefix_or_fn: PyTree | Callable[[PyTree], PyTree], tree: PyTree, what: str) -> list[Any]:
-    """Leaves of ``prefix_or_fn`` (a callable of ``tree``, or a prefix tree of it) broadcast to ``tree``'s leaves."""
+def _full_tree(
+    prefix_or_fn: PyTree | Callable[[PyTree], PyTree],
+    tree: PyTree,
+    what: str,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> list[Any]:
+    """Leaves of ``prefix_or_fn`` (a callable of ``tree``, or a prefix tree of it) broadcast to ``tree``'s leaves
+    (with optree's ``is_leaf``). A prefix whose mappings are of other kinds than the tree's (a dict prefix of an
+    OrderedDict of params) is matched key by key."""
     prefix = prefix_or_fn(tree) if callable(prefix_or_fn) else prefix_or_fn
     if torch.compiler.is_compiling():
-        return _leaves_by_path(prefix, tree, what)
-    spec = optree.tree_structure(tree, none_is_leaf=True)
+        return _leaves_by_path(prefix, tree, what, is_leaf)
+    spec = optree.tree_structure(tree, is_leaf=is_leaf, none_is_leaf=True)
     try:
-        full_leaves, full_spec = tree_flatten(optree.tree_broadcast_prefix(prefix, tree, none_is_leaf=True))
+        full = optree.tree_broadcast_prefix(prefix, tree, is_leaf=is_leaf, none_is_leaf=True)
+        full_leaves, full_spec = optree.tree_flatten(full, is_leaf=is_leaf, none_is_leaf=True)
     except ValueError:
-        found = first_difference(optree.tree_structure(prefix, none_is_leaf=True), spec, prefix=True)
+        prefix_spec = optree.tree_structure(prefix, is_leaf=is_leaf, none_is_leaf=True)
+        found = first_difference(prefix_spec, spec, prefix=True)
         if found is not None:
             path, node, tree_node = found
             raise ValueError(
@@ -43,18 +52,18 @@ def _full_tree(prefix_or_fn: PyTree | Callable[[PyTree], PyTree], tree: PyTree, 
             ) from None
         full_spec = None
     if full_spec != spec:
-        # the same tree up to kinds of mapping (a dict prefix of an OrderedDict of params): the broadcast took the
-        # prefix's mappings, whose leaves flatten in another order, so each leaf's value is looked up by its path
-        return _leaves_by_path(prefix, tree, what)
+        # the broadcast took the prefix's mappings, whose leaves flatten in another order than the tree's: each leaf's
+        # value is looked up by its path
+        return _leaves_by_path(prefix, tree, what, is_leaf)
     return full_leaves
 
 
-def _leaves_by_path(prefix: PyTree, tree: PyTree, what: str) -> list[Any]:
-    """``_full_tree`` for torch.compile, which cannot flatten a tree of constants (a mask) with optree: each of
-    ``tree``'s leaves looks its value up in ``prefix`` along its path. Prefix containers are dicts, lists and tuples
-    (named or not); an eager ``init`` checks the prefix with optree."""
+def _leaves_by_path(prefix: PyTree, tree: PyTree, what: str, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
+    """``_full_tree`` by lookups: each of ``tree``'s leaves looks its value up in ``prefix`` along its path. Also what
+    runs under torch.compile, which cannot flatten a tree of constants (a mask) with optree. Prefix containers are
+    dicts, lists and tuples (named or not); an eager ``init`` checks the prefix with optree."""
     values = []
-    for path in optree.tree_paths(tree, none_is_leaf=True):
+    for path in optree.tree_paths(tree, is_leaf=is_leaf, none_is_leaf=True):
         node = prefix
         for key in path:
             if not isinstance(node, (dict, list, tuple)):

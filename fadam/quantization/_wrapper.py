@@ -11,9 +11,10 @@ import torch
 from fadam._base import GradientTransformation
 from fadam._dispatch import is_dtensor
 from fadam._tree import PyTree, path_str
-from fadam.combinators._masking import MaskedNode
+from fadam.combinators._masking import MaskedNode, _full_tree
 from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise
 from fadam.quantization._sharded import check_sharded_args, dequantize_sharded, quantize_sharded
+from fadam.transforms._validation import check_state
 
 __all__ = ["QuantizedState", "quantize_state"]
 
@@ -55,12 +56,7 @@ def _param_positions(state: PyTree, params_spec: optree.PyTreeSpec) -> list[int 
 
 def _mask_leaves(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[Any]:
     """``mask`` broadcast to one bool per leaf of ``_flatten(params)`` (a ``MaskedNode`` hole counts as a leaf)."""
-    prefix = mask(params) if callable(mask) else mask
-    try:
-        full = optree.tree_broadcast_prefix(prefix, params, is_leaf=_is_atom, none_is_leaf=True)
-    except ValueError as err:
-        raise ValueError(f"mask is not a prefix of the params tree: {err}") from None
-    flags = _flatten(full)[0]
+    flags = _full_tree(mask, params, "mask", is_leaf=_is_atom)
     for flag, path in zip(flags, _flatten(params)[1].paths()):
         if not isinstance(flag, bool):
             raise TypeError(f"mask leaf for {path_str(path)} is {flag!r}; expected a bool")
@@ -174,6 +170,7 @@ def quantize_state(
     def update(
         updates: PyTree, state: QuantizedState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, QuantizedState]:
+        check_state(state, QuantizedState, "quantize_state")
         update_leaves, updates_spec = _flatten(updates)
         leaves, spec = _flatten(state.inner_state)
         paths = spec.paths()
