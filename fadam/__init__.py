@@ -1,6 +1,8 @@
 """fadam: functional optimizers for PyTorch. Transforms are values: ``init(params) -> state`` and
 ``update(updates, state, params=None) -> (updates, state)``, pure functions over pytrees of tensors."""
 
+import torch
+
 from fadam import schedules
 from fadam._base import (
     EmptyState,
@@ -99,6 +101,37 @@ from fadam.transforms._rms import (
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
 
 global_norm = tree_global_norm
+
+# fadam's state containers hold only tensors and containers: a raw state saved with torch.save loads with
+# torch.load(weights_only=True)
+torch.serialization.add_safe_globals(
+    [
+        ApplyIfFiniteState,
+        EmaState,
+        EmptyState,
+        FactoredState,
+        InjectHyperparamsState,
+        MaskedNode,
+        MaskedState,
+        MultiStepsState,
+        PagedState,
+        PartitionState,
+        QuantizedArray,
+        QuantizedState,
+        ScaleByAdamState,
+        ScaleByAdamaxState,
+        ScaleByAmsgradState,
+        ScaleByLionState,
+        ScaleByNadamState,
+        ScaleByRStdDevState,
+        ScaleByRadamState,
+        ScaleByRmsState,
+        ScaleByRssState,
+        ScaleByScheduleState,
+        TraceState,
+        ZeroNansState,
+    ]
+)
 
 __version__ = "0.1.0"
 

@@ -115,3 +115,16 @@ def test_checkpoint_round_trip_and_resume(row: Row):
     _assert_trees_equal(got_params, want_params, "resumed params")
     if row.value_state:
         _assert_trees_equal(got_state, want_state, "resumed state")
+
+
+@pytest.mark.parametrize("row", ALL_ROWS, ids=str)
+def test_a_raw_state_loads_with_weights_only(row: Row):
+    """fadam registers its state containers as safe globals: ``torch.save(state)`` then
+    ``torch.load(weights_only=True)`` gives the same state back, containers and tensors."""
+    params = _params(row)
+    tx = row.build()
+    params, state = _run(tx, params, tx.init(params), range(2))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    _assert_trees_equal(torch.load(buffer, weights_only=True), state, f"{row} state loaded with weights_only")
