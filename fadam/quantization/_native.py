@@ -2,8 +2,8 @@
 
 On the CPU, inductor's code for the fused step (``_fused.py``) reads each table entry in a scalar loop and goes
 through memory between its two kernels; this loop does the same math in one pass per block, vectorized, with the
-second half of one group of blocks in the same loop as the first half of the next (16.8M params, 2 threads: about
-20 ms against inductor's 80-93 ms; see benchmarks/README.md). Its results equal the eager kernels bit for bit:
+second half of one group of blocks in the same loop as the first half of the next (`benchmarks/bench_quantized.py`
+times both). Its results equal the eager kernels bit for bit:
 ATen's fused multiply-adds where ATen has them, and torch's own sqrt (MKL's, where torch links it). Only float32
 and bfloat16 params on the CPU take it; everything else keeps the compiled kernels. The same call runs the step's
 leaves whose moments stay in full precision (float32, below ``min_size``) with the same math, where eagerly each cost
@@ -12,8 +12,8 @@ tens of microseconds of Python and ATen dispatch (a 16M-param GPT-2-style model 
 A donated step whose leaves all take the kernel as they are (the common case from the second step on) is also read and
 checked there (``read_leaves``): its tensors go to the library as torch's C shim handles
 (``torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors``, the stable ABI that AOTInductor's code reads tensors with),
-rather than by ``_fused._plan`` and ``Leaves``, tensor by tensor in Python: the step's time outside the kernel went from
-about 23 to 10 us a leaf (benchmarks/README.md). Any leaf that needs more (a copy, an eager part, tied weights, another
+rather than by ``_fused._plan`` and ``Leaves``, tensor by tensor in Python, which costs about twice as much a leaf.
+Any leaf that needs more (a copy, an eager part, tied weights, another
 dtype...) sends the whole step back to them. A torch without the shim or the handles loses only that reading.
 
 The library is built once per machine and source by ``torch.utils.cpp_extension`` (a C++ compiler, which torch.compile's
