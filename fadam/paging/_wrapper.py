@@ -168,7 +168,7 @@ def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, stre
     return chunk.spec.unflatten(leaves)
 
 
-class _Session:
+class _StorageAccess:
     """One update's access to the storage: the buffer to read each chunk from, the buffer to write it to, and the
     commit at the end."""
 
@@ -457,9 +457,9 @@ def page_state(
             raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
         state_file = StateFile.open(_path_of(state)) if storage == "disk" else None
         try:
-            session = _Session(state, state_file, durable, in_place)
-            session.begin()
-            pipeline = _pipeline(session, chunks, groups, grad_leaves)
+            access = _StorageAccess(state, state_file, durable, in_place)
+            access.begin()
+            pipeline = _pipeline(access, chunks, groups, grad_leaves)
             for k in range(len(chunks)):
                 # not enumerate/zip: their cached result tuple keeps the previous chunk alive during the next fetch
                 chunk = next(pipeline)
@@ -478,7 +478,7 @@ def page_state(
                 consume(group, chunk_updates)
                 del chunk, new_state, new_leaves
             next(pipeline, None)  # runs to the end: waits for the last write-backs
-            return session.finish()
+            return access.finish()
         finally:
             if state_file is not None:
                 state_file.close()
@@ -559,7 +559,7 @@ class _Fetched:
 
 
 def _pipeline(
-    session: _Session, chunks: list[_Chunk], groups: list[list[int]], grad_leaves: list[Any]
+    access: _StorageAccess, chunks: list[_Chunk], groups: list[list[int]], grad_leaves: list[Any]
 ) -> Iterator[_Fetched]:
     """Yields each chunk's state ready for compute, having started the copy of the next one.
 
@@ -570,12 +570,12 @@ def _pipeline(
     the next chunk ahead from disk.
     """
     devices = [_compute_device(group, grad_leaves) for group in groups]
-    pinned = session.file is None and any(b[0].is_pinned() for b in session.state.buffers[:1])
+    pinned = access.file is None and any(b[0].is_pinned() for b in access.state.buffers[:1])
     streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
 
     def fetch(k: int) -> tuple[PyTree, Any, torch.Tensor]:
         stream = streams.get(devices[k])
-        buffer = session.read(k)
+        buffer = access.read(k)
         state = _materialize(buffer, chunks[k], devices[k], stream)
         event = stream.h2d.record_event() if stream is not None else None
         return state, event, buffer
@@ -588,19 +588,19 @@ def _pipeline(
         if stream is not None and written and written[-1] is not None:
             written[-1].synchronize()  # bounds the device-resident state to this chunk and the next
         if k + 1 < len(chunks):
-            session.advise(k + 1)
+            access.advise(k + 1)
             pending = fetch(k + 1)
         if stream is not None:
             stream.main.wait_event(event)
             for leaf in tree_flatten(state)[0]:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
                     leaf.record_stream(stream.main)
-        buffer = session.write(k)
+        buffer = access.write(k)
 
         def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
-            if session.file is not None:
+            if access.file is not None:
                 for place in chunks[k].places:
-                    session.store(k, place, _local(new_leaves[place.index]))
+                    access.store(k, place, _local(new_leaves[place.index]))
                 written.append(None)
                 return
             if stream is None:
@@ -623,8 +623,8 @@ def _pipeline(
         def owned(k: int = k, state: PyTree = state, buffer: Any = buffer, source: Any = source) -> PyTree:
             if devices[k].type == "cpu":
                 # the spare slot (disk: the staging buffer) becomes the working copy
-                if session.file is not None:
-                    session.file.read_into(k, session.read_commit.slot, buffer)
+                if access.file is not None:
+                    access.file.read_into(k, access.read_commit.slot, buffer)
                 elif buffer.data_ptr() != source.data_ptr():
                     buffer.copy_(source)
                 return _materialize(buffer, chunks[k], devices[k], None)
