@@ -213,10 +213,8 @@ def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> 
     if problems:
         return f"{'; '.join(problems)} ({len(paths)} leaves vs {len(like_paths)})"
     spec, like_spec = optree.tree_structure(tree, none_is_leaf=True), optree.tree_structure(like, none_is_leaf=True)
-    found = first_difference(spec, like_spec)
-    if found is None:  # equal up to kinds of mapping, which callers accept
-        return f"{what} and {like_what} differ only in their kinds of mapping"
-    path, node, like_node = found
+    # the same leaf paths: check_leaves calls this only for trees that differ beyond their kinds of mapping
+    path, node, like_node = first_difference(spec, like_spec)
     return f"at {path_str(path)}, {what} has {node} where {like_what} has {like_node}"
 
 
