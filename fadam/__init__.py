@@ -19,6 +19,7 @@ from fadam._base import (
     step,
 )
 from fadam._checkpoint import state_from_dict, state_to_dict
+from fadam._execute import backend, explain
 from fadam._tree import (
     tree_add,
     tree_cast,
@@ -136,6 +137,8 @@ torch.serialization.add_safe_globals(
 __version__ = "0.1.0"
 
 __all__ = [
+    "backend",
+    "explain",
     "ApplyIfFiniteState",
     "EmaState",
     "EmptyState",

@@ -133,11 +133,22 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         tensor([1.5000, 1.5000], dtype=torch.bfloat16)
     """
     update_leaves, param_leaves, spec = check_leaves(updates, params)
-    new = [
-        p if u is None else p + (u if u.dtype == p.dtype else u.to(p.dtype))
-        for p, u in zip(param_leaves, update_leaves)
-    ]
-    return spec.unflatten(new)
+    return spec.unflatten([p if u is None else add_update(p, u) for p, u in zip(param_leaves, update_leaves)])
+
+
+def add_update(p: torch.Tensor, u: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``p + u`` in ``p``'s dtype, written into ``p`` with ``in_place``. A complex leaf adds as pairs of reals, as
+    torch.optim adds to ``view_as_real`` views: ATen's complex add computes ``p + (1+0j) * u``, where an infinite
+    part of ``u`` would make the other part NaN."""
+    if u.dtype != p.dtype:
+        u = u.to(p.dtype)
+    if in_place:
+        with torch.no_grad():
+            (torch.view_as_real(p) if p.is_complex() else p).add_(torch.view_as_real(u) if u.is_complex() else u)
+        return p
+    if p.is_complex():
+        return torch.view_as_complex(torch.view_as_real(p) + torch.view_as_real(u))
+    return p + u
 
 
 FusedStep = Callable[[PyTree, PyTree, PyTree, bool], "tuple[PyTree, PyTree] | None"]
@@ -154,6 +165,7 @@ class FusibleUpdate:
     def __init__(self, update: UpdateFn, fused_step: FusedStep) -> None:
         self._update = update
         self.fused_step = fused_step
+        self.program = getattr(update, "program", None)  # what fadam.step runs when the fused kernel cannot
 
     def __call__(
         self, updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
@@ -200,9 +212,10 @@ def step(
     """
     if donate and not torch.compiler.is_compiling():
         donate = not _warn_if_aliased(params, grads, state)
-    fused_step = getattr(tx.update, "fused_step", None)
-    if fused_step is not None and not extra_args:
-        result = fused_step(params, grads, state, donate)
+    if not extra_args:
+        from fadam._execute import fast_step  # _execute builds on the transforms, which build on this module
+
+        result = fast_step(tx, params, grads, state, donate)
         if result is not None:
             return result
     updates, new_state = tx.update(grads, state, params, **extra_args)
@@ -221,10 +234,9 @@ def step(
         u is not None and not can_write_in_place(u) for u in update_leaves
     ):
         return apply_updates(params, updates), new_state
-    with torch.no_grad():
-        for p, u in zip(param_leaves, update_leaves):
-            if u is not None:
-                p.add_(u.to(p.dtype))
+    for p, u in zip(param_leaves, update_leaves):
+        if u is not None:
+            add_update(p, u, in_place=True)
     return params, new_state
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from fadam._dispatch import functorch_wrapped
@@ -95,23 +93,6 @@ def no_zero_on_cpu(x: torch.Tensor) -> bool:
     if functorch_wrapped(x):  # always while torch.compile traces
         return False  # data-dependent control flow is not allowed there
     return torch.amin(x.detach()).item() > 0  # NaN or a negative value also take the general path
-
-
-# Tensors seen to have only positive entries: id -> (weak reference, version counter at the time). An in-place write
-# bumps the version and voids the entry; the weak reference guards against a reused id.
-_positive: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def mark_positive(x: torch.Tensor) -> None:
-    """Records that every entry of ``x`` is > 0 (the caller checked it or derived it), until ``x`` is written."""
-    key = id(x)
-    _positive[key] = (weakref.ref(x, lambda _, key=key: _positive.pop(key, None)), x._version)
-
-
-def known_positive(x: torch.Tensor) -> bool:
-    """Whether ``mark_positive(x)`` was called and ``x`` has not been written in place since."""
-    entry = _positive.get(id(x))
-    return entry is not None and entry[0]() is x and entry[1] == x._version
 
 
 def host_number(value: float | torch.Tensor | None) -> float | torch.Tensor | None:

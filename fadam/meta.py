@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch._C import _functorch
 
-from fadam._base import GradientTransformation, apply_updates
+from fadam._base import GradientTransformation, add_update, apply_updates
 from fadam._tree import PyTree, tree_map
 
 __all__ = ["MetaOptimizer", "MetaSnapshot", "stop_gradient"]
@@ -187,10 +187,7 @@ def _add_updates(params: dict[str, torch.Tensor], updates: dict[str, torch.Tenso
     """``apply_updates`` for the flat dict built here (its structure checks are already guaranteed)."""
     if not isinstance(updates, dict) or updates.keys() != params.keys():
         return apply_updates(params, updates)  # a transform that changed the structure: let apply_updates explain
-    return {
-        name: p if (u := updates[name]) is None else p + (u if u.dtype == p.dtype else u.to(p.dtype))
-        for name, p in params.items()
-    }
+    return {name: p if (u := updates[name]) is None else add_update(p, u) for name, p in params.items()}
 
 
 def _detached_copy(x: Any) -> Any:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from fadam._numerics import (
     bias_correction,
     bias_correction_number,
     host_number,
-    known_positive,
-    mark_positive,
     safe_increment,
     zero_count,
 )
@@ -65,21 +61,3 @@ def test_host_number_reads_only_plain_cpu_scalars_outside_autograd() -> None:
         assert host_number(kept) is kept
     batched = torch.func.vmap(lambda x: torch.as_tensor(isinstance(host_number(x), torch.Tensor)))(torch.ones(2))
     assert batched.all()  # a vmapped value stays a tensor (reading it would fail)
-
-
-def test_known_positive_holds_until_an_in_place_write_or_the_tensor_dies() -> None:
-    x = torch.rand(4) + 1
-    assert not known_positive(x)
-    mark_positive(x)
-    assert known_positive(x)
-    assert not known_positive(x.clone()) and not known_positive(x.view(2, 2))  # other objects
-    x.add_(1)  # any in-place write bumps the version counter
-    assert not known_positive(x)
-    mark_positive(x)  # re-marking (after a new check) is allowed
-    assert known_positive(x)
-    from fadam import _numerics
-
-    entries = len(_numerics._positive)
-    del x
-    gc.collect()
-    assert len(_numerics._positive) == entries - 1  # the record goes with the tensor

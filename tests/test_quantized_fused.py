@@ -274,7 +274,7 @@ def test_the_chain_names_the_state_of_a_malformed_full_precision_moment():
     tx = fadam.adamw8bit(lr=1e-2, min_size=10**6)
     state = _with_moment(tx.init(params), "mu", "b", torch.zeros(1023))
     with pytest.raises(
-        ValueError, match=r"\['b'\]: shape \(1024,\) does not match expected \(1023,\) in the Adam state"
+        ValueError, match=r"\['b'\]: shape \(1024,\) does not match expected \(1023,\) in the scale_by_adam state"
     ):
         fadam.step(tx, params, grads, state)
 

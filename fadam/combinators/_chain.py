@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from fadam._base import GradientTransformation
+from fadam._execute import run_update
+from fadam._program import Program, program_of, with_program
 from fadam._tree import PyTree, check_leaves, check_params, match_params
 
 
@@ -28,6 +30,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"chain argument {index} is a {type(tx).__name__}, expected a GradientTransformation")
 
+    program = Program(
+        tuple(stage for index, tx in enumerate(transforms) for stage in program_of(tx).prefixed(index).stages)
+    )
+
     def init(params: PyTree) -> tuple[PyTree, ...]:
         check_params(params)
         return tuple(tx.init(params) for tx in transforms)
@@ -41,13 +47,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             check_leaves(updates, updates)
         else:
             updates = match_params(updates, params)
+        # the generated kernel where the leaves allow it (opaque members would need the extra arguments)
+        compiled = run_update(program, updates, state, params) if program.declared and not extra_args else None
+        if compiled is not None:
+            return compiled
         new_states = []
         for tx, tx_state in zip(transforms, state):
             updates, tx_state = tx.update(updates, tx_state, params, **extra_args)
             new_states.append(tx_state)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    return with_program(init, update, program)
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -73,4 +83,8 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
         updates, states = inner.update(updates, tuple(state[name] for name in names), params, **extra_args)
         return updates, dict(zip(names, states))
 
-    return GradientTransformation(init, update)
+    return with_program(
+        init,
+        update,
+        Program(tuple(stage for name, tx in transforms for stage in program_of(tx).prefixed(name).stages)),
+    )

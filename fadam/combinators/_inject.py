@@ -12,6 +12,7 @@ import torch
 from fadam._base import FusibleUpdate, GradientTransformation
 from fadam._dispatch import is_plain
 from fadam._numerics import safe_increment, zero_count
+from fadam._program import Program, Stage, program_of
 from fadam._tree import PyTree
 from fadam.transforms._validation import check_state
 
@@ -235,7 +236,14 @@ def inject_hyperparams(
             new_params, inner_state = result
             return new_params, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
 
-        return GradientTransformation(init, FusibleUpdate(update, fused_step))
+        def expand(state: InjectHyperparamsState) -> tuple[Program, str, InjectHyperparamsState]:
+            inner, hyperparams = current(state)
+            advanced = InjectHyperparamsState(safe_increment(state.count), hyperparams, state.inner_state)
+            return program_of(inner), "inner_state", advanced
+
+        fusible = FusibleUpdate(update, fused_step)
+        fusible.program = Program((Stage(None, (), GradientTransformation(init, update), expand=expand),))
+        return GradientTransformation(init, fusible)
 
     return wrapped
 

@@ -9,6 +9,7 @@ import optree
 import torch
 
 from fadam._base import GradientTransformation
+from fadam._program import Program, program_of, with_program
 from fadam._tree import PyTree, check_leaves, first_difference, path_str, tree_flatten
 from fadam.transforms._validation import check_state
 
@@ -137,7 +138,7 @@ def _masked_by(inner: GradientTransformation, selection: Callable[[PyTree], list
         merged = [next(new_inner) if keep else leaf for leaf, keep in zip(leaves, selected)]
         return spec.unflatten(merged), MaskedState(inner_state)
 
-    return GradientTransformation(init, update)
+    return with_program(init, update, program_of(inner).masked(selection, "inner_state"))
 
 
 def partition(
@@ -184,4 +185,5 @@ def partition(
             updates, new_states[label] = tx.update(updates, state.inner_states[label], params, **extra_args)
         return updates, PartitionState(new_states)
 
-    return GradientTransformation(init, update)
+    stages = [s for label, tx in masked_transforms.items() for s in program_of(tx).prefixed(label).stages]
+    return with_program(init, update, Program(tuple(stages)).prefixed("inner_states"))

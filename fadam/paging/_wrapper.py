@@ -12,8 +12,9 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch._C import _functorch
 
-from fadam._base import FusibleUpdate, GradientTransformation
+from fadam._base import FusibleUpdate, GradientTransformation, add_update
 from fadam._dispatch import can_fuse, can_write_in_place, is_dtensor, is_plain
+from fadam._execute import fast_step
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._storage import (
     Commit,
@@ -513,33 +514,32 @@ def page_state(
                 if u is None:
                     continue
                 p = param_leaves[i]
-                u = u if u.dtype == p.dtype else u.to(p.dtype)
-                if donate and can_write_in_place(p):  # a DTensor: its local shard is written
-                    with torch.no_grad():
-                        p.add_(u)
-                else:
-                    new_params[i] = p + u
+                # a DTensor's local shard is written in place
+                new_params[i] = add_update(p, u, in_place=donate and can_write_in_place(p))
 
-        inner_fused = getattr(inner.update, "fused_step", None)
-        if not can_fuse([*param_leaves, *grad_leaves]) or any(
-            p.dtype != g.dtype for p, g in zip(param_leaves, grad_leaves)
+        fast = getattr(inner.update, "fused_step", None) or getattr(inner.update, "program", None)
+        if (
+            fast is None
+            or not can_fuse([*param_leaves, *grad_leaves])
+            or any(p.dtype != g.dtype for p, g in zip(param_leaves, grad_leaves))
         ):
             # the unpaged step would take the general path for every leaf: so do all chunks, to round alike
-            inner_fused = None
+            fast = None
 
         def fused(group: list[int], grads_k: list[Any], chunk: _Fetched) -> PyTree | None:
-            # the inner alias's fused kernel (torch._fused_adam_ ...) steps this chunk in place, on state we own
+            # the inner step's fastest backend (torch._fused_adam_, a generated kernel) steps this chunk in place, on
+            # state we own
             params_k = [param_leaves[i] for i in group]
             if not (donate and all(isinstance(p, torch.Tensor) and is_plain(p) for p in params_k)):
                 params_k = [p.clone() if isinstance(p, torch.Tensor) else p for p in params_k]
-            result = inner_fused(params_k, grads_k, chunk.owned(), True)
+            result = fast_step(inner, params_k, grads_k, chunk.owned(), True)
             if result is None:
                 return None
             for i, p in zip(group, result[0]):
                 new_params[i] = p
             return result[1]
 
-        new_state = run(grads, state, params, {}, apply, fused if inner_fused is not None else None, donate)
+        new_state = run(grads, state, params, {}, apply, fused if fast is not None else None, donate)
         return spec.unflatten(new_params), new_state
 
     # Chunks stream between host memory or a file and the device through Python, outside any graph: inside a compiled

@@ -7,21 +7,10 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._dispatch import is_plain, is_plain_type
-from fadam._numerics import (
-    bias_correction,
-    dtype_for,
-    for_leaf,
-    host_number,
-    known_positive,
-    mark_positive,
-    no_zero_on_cpu,
-    safe_increment,
-    safe_sqrt,
-    zero_count,
-)
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._validation import check_non_negative, check_state, check_unit_interval
+from fadam._numerics import bias_correction, host_number, safe_increment
+from fadam._program import Elementwise, Slot, elementwise
+from fadam._tree import PyTree
+from fadam.transforms._validation import check_non_negative, check_unit_interval
 
 
 class ScaleByAdamState(NamedTuple):
@@ -97,153 +86,55 @@ def scale_by_adam(
     check_non_negative("eps", eps)
     check_non_negative("eps_root", eps_root)
 
-    def init(params: PyTree) -> ScaleByAdamState | ScaleByAmsgradState:
-        check_params(params)
+    # Bias corrections of recent plain step counts: an inner loop of K steps meets the same counts in every outer
+    # iteration, and computing them takes a dozen 0-d ops.
+    recent: dict[int, dict[str, float | torch.Tensor]] = {}
+    plain_decays = not isinstance(b1, torch.Tensor) and not isinstance(b2, torch.Tensor)
 
-        def zeros(p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-            return torch.zeros_like(p, dtype=dtype_for(p, dtype), requires_grad=moment_requires_grad)
-
-        mu = tree_map(lambda p: zeros(p, mu_dtype), params)
-        nu = tree_map(lambda p: zeros(p, nu_dtype), params)
-        if amsgrad:
-            return ScaleByAmsgradState(zero_count(), mu, nu, tree_map(lambda p: zeros(p, nu_dtype), params))
-        return ScaleByAdamState(zero_count(), mu, nu)
-
-    # Bias corrections of recent plain step counts, as tensors and floats: an inner loop of K steps meets the same
-    # counts in every outer iteration, and computing them takes a dozen 0-d ops.
-    recent: dict[int, tuple[tuple, tuple]] = {}
-
-    def _corrections(count: torch.Tensor) -> tuple[tuple, tuple]:
-        key = host_number(count) if not isinstance(b1, torch.Tensor) and not isinstance(b2, torch.Tensor) else None
+    def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        count = safe_increment(count)
+        key = host_number(count) if plain_decays else None
         cacheable = isinstance(key, int)  # a plain count: not traced, batched or compiled
         if cacheable and key in recent:
             return recent[key]
         bc1 = bias_correction(b1, count)
         bc2_sqrt = torch.sqrt(bias_correction(b2, count))
-        bc1_next = bias_correction(b1, safe_increment(count)) if nesterov else None
-        corrections = (bc1, bc2_sqrt, bc1_next)
-        result = corrections, tuple(host_number(x) for x in corrections)
+        scalars = {"one_minus_b1": 1 - b1, "b2": b2, "one_minus_b2": 1 - b2, "eps": eps}
+        if nesterov:  # numerator b1 m_t / (1 - b1^(t+1)) + (1 - b1) g_t / (1 - b1^t)
+            bc1_next = bias_correction(b1, safe_increment(count))
+            scalars |= {"mu_weight": b1 / bc1_next, "g_weight": (1 - b1) / bc1}
+        else:
+            scalars["bc1"] = bc1
+        if rooted:
+            scalars |= {"bc2": bc2_sqrt * bc2_sqrt, "eps_root": eps_root}
+        else:
+            scalars["bc2_sqrt"] = bc2_sqrt
+        scalars = {name: host_number(value) for name, value in scalars.items()}
         if cacheable:
             if len(recent) >= 64:
                 recent.clear()
-            recent[key] = result
-        return result
+            recent[key] = scalars
+        return scalars
 
-    def update(
-        updates: PyTree, state: ScaleByAdamState | ScaleByAmsgradState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByAdamState | ScaleByAmsgradState]:
-        check_state(state, ScaleByAmsgradState if amsgrad else ScaleByAdamState, "scale_by_adam")
-        grads, mus, spec = check_leaves(updates, state.mu, like_what="the Adam state (params)")
-        nus = spec.flatten_up_to(state.nu)
-        nu_maxes = spec.flatten_up_to(state.nu_max) if amsgrad else [None] * len(nus)
-        count = safe_increment(state.count)
-        corrections, numbers = _corrections(count)
-        # ``numbers``: the corrections as Python floats where reading them is allowed (not traced, batched or
-        # differentiable). Ops mixing a param-shaped tensor with a float round alike and skip a dtype conversion.
-        # Not for 0-d leaves, which promote with 0-d float64 tensors (as they do under vmap) and must stay equal.
-        use_numbers = not any(isinstance(n, torch.Tensor) for n in numbers)
-        # zero-free second moments stay zero-free (see _graph_sqrt)
-        positivity_inherited = (
-            not amsgrad and not isinstance(b2, torch.Tensor) and b2 > 0.5 and not torch.compiler.is_compiling()
-        )
+    rooted = isinstance(eps_root, torch.Tensor) or eps_root != 0.0
 
-        new_updates, new_mus, new_nus, new_nu_maxes = [], [], [], []
-        for g, mu, nu, nu_max in zip(grads, mus, nus, nu_maxes):
-            if g is None:  # torch.optim skips a param without a gradient and leaves its state alone
-                new_updates.append(None)
-                new_mus.append(mu)
-                new_nus.append(nu)
-                new_nu_maxes.append(nu_max)
-                continue
-            out_dtype = g.dtype
-            if use_numbers and g.dim():
-                bc1_g, bc2_sqrt_g, bc1_next_g = numbers
-            else:
-                bc1_g, bc2_sqrt_g, bc1_next_g = (for_leaf(x, g) for x in corrections)
-            complex_leaf = g.is_complex()
-            gr = torch.view_as_real(g) if complex_leaf else g
-            mur = torch.view_as_real(mu) if complex_leaf else mu
-            nur = torch.view_as_real(nu) if complex_leaf else nu
-            mu_new = mur.lerp(_as(gr, mur.dtype), _cast(1 - b1, mur.dtype))
-            g_nu = _as(gr, nur.dtype)
-            # Fresh intermediates that no backward formula saves are rewritten in place: same arithmetic, fewer new
-            # param-sized buffers (which cost page faults on large tensors). Plain tensors only (under vmap a fresh
-            # tensor may lack its operand's batch dimension), not 0-d leaves (their out-of-place ops promote with the
-            # float64 bias corrections, as under vmap, and must stay equal). With no graph to record (``reuse``), the
-            # square root and the quotient are rewritten too.
-            fresh_in_place = (
-                is_plain_type(g_nu) and is_plain_type(nur) and g_nu.dim() > 0 and not isinstance(b2, torch.Tensor)
-            )
-            reuse = fresh_in_place and not (torch.is_grad_enabled() and (g_nu.requires_grad or nur.requires_grad))
-            if isinstance(b2, torch.Tensor):  # addcmul's value must be a number; this rounds the same way
-                nu_new = torch.addcmul(nur * b2.to(nur.dtype), g_nu * (1 - b2).to(nur.dtype), g_nu)
-            elif fresh_in_place:
-                nu_new = (nur * b2).addcmul_(g_nu, g_nu, value=1 - b2)
-            else:
-                nu_new = torch.addcmul(nur * b2, g_nu, g_nu, value=1 - b2)
-            denom_source = nu_new
-            if amsgrad:
-                nu_max_new = torch.maximum(torch.view_as_real(nu_max) if complex_leaf else nu_max, nu_new)
-                denom_source = nu_max_new
-            if not isinstance(eps_root, torch.Tensor) and eps_root == 0.0:
-                if reuse:
-                    denom = denom_source.sqrt().div_(bc2_sqrt_g).add_(eps)  # torch.optim's order of operations
-                else:
-                    root = _graph_sqrt(nur, nu_new, denom_source, positivity_inherited and fresh_in_place)
-                    root = root / bc2_sqrt_g
-                    denom = root.add_(eps) if fresh_in_place else root + eps
-            else:  # the argument is >= eps_root > 0: the plain sqrt is smooth
-                denom = torch.sqrt(denom_source / (bc2_sqrt_g * bc2_sqrt_g) + eps_root) + eps
-            if nesterov:
-                numer = mu_new * (b1 / bc1_next_g) + _as(gr, mu_new.dtype) * ((1 - b1) / bc1_g)
-            else:
-                numer = mu_new / bc1_g
-            u = _as(numer.div_(denom) if reuse else numer / denom, gr.dtype)
-            if complex_leaf:
-                u, mu_new, nu_new = (
-                    torch.view_as_complex(u),
-                    torch.view_as_complex(mu_new),
-                    torch.view_as_complex(nu_new),
-                )
-                if amsgrad:
-                    nu_max_new = torch.view_as_complex(nu_max_new)
-            new_updates.append(_as(u, out_dtype))
-            new_mus.append(mu_new)
-            new_nus.append(nu_new)
-            new_nu_maxes.append(nu_max_new if amsgrad else None)
+    def body(o: Any, s: Any, g: Any, p: Any, mu: Any, nu: Any, *nu_max: Any) -> tuple:
+        g_mu, g_nu = o.cast(g, mu), o.cast(g, nu)
+        mu = o.lerp(mu, g_mu, s.one_minus_b1)  # torch.optim's exp_avg.lerp_(grad, 1 - beta1)
+        nu = o.addcmul(nu * s.b2, g_nu, g_nu, s.one_minus_b2)
+        source = nu
+        if amsgrad:  # the running maximum of the raw second moment (torch.optim)
+            nu_max = (o.maximum(nu_max[0], nu),)
+            source = nu_max[0]
+        if rooted:  # the argument is >= eps_root > 0: the square root is smooth
+            denom = o.sqrt(source / s.bc2 + s.eps_root) + s.eps
+        else:
+            denom = o.sqrt(source) / s.bc2_sqrt + s.eps  # torch.optim's order of operations
+        numer = mu * s.mu_weight + g_mu * s.g_weight if nesterov else mu / s.bc1
+        return (numer / denom, mu, nu, *nu_max)
 
-        mu_tree, nu_tree = spec.unflatten(new_mus), spec.unflatten(new_nus)
-        if amsgrad:
-            return spec.unflatten(new_updates), ScaleByAmsgradState(
-                count, mu_tree, nu_tree, spec.unflatten(new_nu_maxes)
-            )
-        return spec.unflatten(new_updates), ScaleByAdamState(count, mu_tree, nu_tree)
-
-    return GradientTransformation(init, update)
-
-
-def _graph_sqrt(nu: torch.Tensor, nu_new: torch.Tensor, source: torch.Tensor, inherits: bool) -> torch.Tensor:
-    """``sqrt(source)``, by ``safe_sqrt`` when autograd records it, skipping the zero check where it is implied.
-
-    ``nu_new = b2 * nu + (1 - b2) * g * g`` is at least the rounded ``b2 * nu``, which is > 0 wherever ``nu`` is > 0
-    when ``b2 > 1/2`` (the product of the smallest subnormal and such a ``b2`` rounds up to it). So once a second
-    moment was seen without a zero, every later one is zero-free too and takes the plain sqrt (same values, same
-    derivatives) with no reduction over it: in an inner loop of K steps, only the first step checks. ``inherits``
-    says that this argument holds (float ``b2 > 1/2``, ``source`` is ``nu_new``, plain tensors, not compiling).
-    """
-    if is_plain(source):  # no graph: only autograd needs the safe sqrt
-        return torch.sqrt(source)
-    if inherits and (known_positive(nu) or no_zero_on_cpu(nu_new)):
-        mark_positive(nu_new)
-        return torch.sqrt(nu_new)
-    return safe_sqrt(source)
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)`` without the call when it would be a no-op (it costs as much as a small op on the meta path)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def _cast(weight: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
-    """A tensor hyperparameter in the leaf's dtype (``lerp`` needs matching dtypes); a float as it is."""
-    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight
+    slots = (Slot("mu", mu_dtype, moment_requires_grad), Slot("nu", nu_dtype, moment_requires_grad))
+    if amsgrad:
+        slots += (Slot("nu_max", nu_dtype, moment_requires_grad),)
+    state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
+    return elementwise(Elementwise("scale_by_adam", state_type, slots, True, prologue, body))

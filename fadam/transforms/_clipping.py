@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from fadam._base import EmptyState, GradientTransformation
+from fadam._program import Elementwise, elementwise
 from fadam._tree import PyTree, tree_global_norm, tree_map
 from fadam.transforms._validation import check_non_negative
 
@@ -24,17 +25,12 @@ def clip(max_delta: float | torch.Tensor) -> GradientTransformation:
     """
     check_non_negative("max_delta", max_delta)
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
-        return tree_map(lambda g: None if g is None else g.clamp(-max_delta, max_delta), updates), state
+    def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        return (o.clamp(g, s.low, s.high),)
 
-    return GradientTransformation(lambda params: EmptyState(), update)
-
-
-def _on_device_of(factor: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``factor`` where it can multiply ``g``: leaves of one model may live on several devices (model parallel)."""
-    if factor.device == g.device or factor.device.type == "cpu":  # a 0-d CPU tensor mixes with any device
-        return factor
-    return factor.to(g.device, non_blocking=g.device.type != "cpu")
+    return elementwise(
+        Elementwise("clip", EmptyState, (), False, lambda count: {"low": -max_delta, "high": max_delta}, body)
+    )
 
 
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
@@ -56,12 +52,14 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     """
     check_non_negative("max_norm", max_norm)
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
+    def reduce(updates: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
         norm = tree_global_norm(updates)
-        factor = max_norm / torch.clamp(norm, min=max_norm)
-        return tree_map(lambda g: None if g is None else g * _on_device_of(factor, g), updates), state
+        return {"factor": max_norm / torch.clamp(norm, min=max_norm)}
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        return (g * s.factor,)
+
+    return elementwise(Elementwise("clip_by_global_norm", EmptyState, (), False, lambda count: {}, body, reduce=reduce))
 
 
 def clip_by_block_rms(threshold: float | torch.Tensor) -> GradientTransformation:

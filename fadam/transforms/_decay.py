@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule
-from fadam._numerics import for_leaf, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves
+from fadam._program import Elementwise, elementwise
+from fadam._tree import PyTree
 from fadam.combinators._masking import masked
 from fadam.transforms._scaling import ScaleByScheduleState
-from fadam.transforms._validation import check_non_negative, check_state
+from fadam.transforms._validation import check_non_negative
 
 
 def add_decayed_weights(
@@ -37,30 +37,16 @@ def add_decayed_weights(
     if schedule is None:
         check_non_negative("weight_decay", weight_decay)
 
-    def init(params: PyTree) -> ScaleByScheduleState | EmptyState:
-        return ScaleByScheduleState(zero_count()) if schedule else EmptyState()
+    def prologue(count: torch.Tensor | None) -> dict[str, float | torch.Tensor]:
+        return {"weight_decay": schedule(count) if schedule else weight_decay}
 
-    def update(
-        updates: PyTree, state: ScaleByScheduleState | EmptyState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByScheduleState | EmptyState]:
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-        check_state(state, ScaleByScheduleState if schedule else EmptyState, "add_decayed_weights")
-        grads, param_leaves, spec = check_leaves(updates, params)
-        decay = weight_decay
-        if schedule:
-            decay, state = schedule(state.count), ScaleByScheduleState(safe_increment(state.count))
-        decayed = [
-            None
-            if g is None
-            else (g + decay * p.to(g.dtype)).to(g.dtype)  # a 0-d float64 decay would promote a 0-d leaf
-            if isinstance(decay, torch.Tensor)
-            else torch.add(g, p.to(g.dtype), alpha=decay)  # torch.optim's grad.add(param, alpha=weight_decay)
-            for g, p in zip(grads, param_leaves)
-        ]
-        return spec.unflatten(decayed), state
+    def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        return (o.add_scaled(g, o.cast(p, g), s.weight_decay),)  # torch.optim's grad.add(param, alpha=decay)
 
-    tx = GradientTransformation(init, update)
+    state_type = ScaleByScheduleState if schedule else EmptyState
+    tx = elementwise(
+        Elementwise("add_decayed_weights", state_type, (), schedule is not None, prologue, body, uses_params=True)
+    )
     return tx if mask is None else masked(tx, mask)
 
 
@@ -94,29 +80,16 @@ def add_decoupled_weight_decay(
         check_non_negative("weight_decay", weight_decay)
     counted = lr_schedule is not None or wd_schedule is not None
 
-    def init(params: PyTree) -> ScaleByScheduleState | EmptyState:
-        return ScaleByScheduleState(zero_count()) if counted else EmptyState()
+    def prologue(count: torch.Tensor | None) -> dict[str, float | torch.Tensor]:
+        lr = lr_schedule(count) if lr_schedule else learning_rate
+        decay = wd_schedule(count) if wd_schedule else weight_decay
+        return {"factor": 1 - lr * decay}
 
-    def update(
-        updates: PyTree, state: ScaleByScheduleState | EmptyState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByScheduleState | EmptyState]:
-        if params is None:
-            raise ValueError("add_decoupled_weight_decay needs params: call update(updates, state, params)")
-        check_state(state, ScaleByScheduleState if counted else EmptyState, "add_decoupled_weight_decay")
-        grads, param_leaves, spec = check_leaves(updates, params)
-        lr = lr_schedule(state.count) if lr_schedule else learning_rate
-        decay = wd_schedule(state.count) if wd_schedule else weight_decay
-        if counted:
-            state = ScaleByScheduleState(safe_increment(state.count))
-        factor = 1 - lr * decay
-        new = []
-        for g, p in zip(grads, param_leaves):
-            if g is None:
-                new.append(None)
-                continue
-            p_real = p.real if p.is_complex() else p
-            rounded = for_leaf(factor, p).to(p_real.dtype) if isinstance(factor, torch.Tensor) else factor
-            new.append(g - (p - p * rounded).to(g.dtype))
-        return spec.unflatten(new), state
+    def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        # the factor rounds to the param's dtype first, as torch's p.mul_(1 - lr * weight_decay) rounds it
+        return (g - o.cast(p - p * o.cast(s.factor, p), g),)
 
-    return GradientTransformation(init, update)
+    state_type = ScaleByScheduleState if counted else EmptyState
+    return elementwise(
+        Elementwise("add_decoupled_weight_decay", state_type, (), counted, prologue, body, uses_params=True)
+    )

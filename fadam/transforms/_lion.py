@@ -7,10 +7,9 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import dtype_for, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._leafwise import map_moments
-from fadam.transforms._validation import check_state, check_unit_interval
+from fadam._program import Elementwise, Slot, elementwise
+from fadam._tree import PyTree
+from fadam.transforms._validation import check_unit_interval
 
 
 class ScaleByLionState(NamedTuple):
@@ -44,24 +43,11 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
     check_unit_interval("b1", b1)
     check_unit_interval("b2", b2)
 
-    def init(params: PyTree) -> ScaleByLionState:
-        check_params(params)
-        return ScaleByLionState(
-            zero_count(),
-            tree_map(lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, mu_dtype)), params),
-        )
+    def prologue(count: torch.Tensor | None) -> dict[str, float]:
+        return {"one_minus_b1": 1 - b1, "one_minus_b2": 1 - b2}
 
-    def update(
-        updates: PyTree, state: ScaleByLionState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByLionState]:
-        check_state(state, ScaleByLionState, "scale_by_lion")
-        grads, mus, spec = check_leaves(updates, state.mu, like_what="the Lion state (params)")
+    def body(o: Any, s: Any, g: Any, p: Any, mu: Any) -> tuple:
+        g = o.cast(g, mu)
+        return o.sign(o.lerp(mu, g, s.one_minus_b1)), o.lerp(mu, g, s.one_minus_b2)
 
-        def leaf(g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(mu.dtype)
-            return mu.lerp(g, 1 - b1).sign(), mu.lerp(g, 1 - b2)
-
-        new_updates, (new_mus,) = map_moments(leaf, grads, mus)
-        return spec.unflatten(new_updates), ScaleByLionState(safe_increment(state.count), spec.unflatten(new_mus))
-
-    return GradientTransformation(init, update)
+    return elementwise(Elementwise("scale_by_lion", ScaleByLionState, (Slot("mu", mu_dtype),), True, prologue, body))

@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import dtype_for, for_leaf, safe_increment, zero_count
+from fadam._numerics import dtype_for, host_number, safe_increment, zero_count
+from fadam._program import Elementwise, Slot, elementwise
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._validation import check_non_negative, check_state, known_value
 
@@ -57,43 +58,26 @@ def trace(
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     undamped = known_value(dampening, 1.0, "dampening") == 0
 
-    def init(params: PyTree) -> TraceState:
-        check_params(params)
+    def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        # the first step copies the gradient into the trace (torch.optim.SGD): t = 0 * t + 1 * g
+        first = host_number(count == 0)
+        if isinstance(first, torch.Tensor):  # a count that is traced or batched
+            return {
+                "decay_now": torch.where(first, 0.0, torch.as_tensor(decay, dtype=torch.float64)),
+                "damping_now": torch.where(first, 1.0, 1 - torch.as_tensor(dampening, dtype=torch.float64)),
+                "decay": decay,
+            }
+        return {"decay_now": 0.0 if first else decay, "damping_now": 1.0 if first else 1 - dampening, "decay": decay}
 
-        def zeros(p: torch.Tensor) -> torch.Tensor:
-            return torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype), requires_grad=moment_requires_grad)
+    def body(o: Any, s: Any, g: Any, p: Any, t: Any) -> tuple:
+        g = o.cast(g, t)
+        # torch.optim.SGD: buf.mul_(momentum).add_(grad, alpha=1 - dampening); grad.add(buf, alpha=momentum)
+        # undamped, the first step's g + decay * 0 is the copy already, and keeps the initial trace in a graph
+        t = o.add_scaled(g, t, s.decay) if undamped else t * s.decay_now + g * s.damping_now
+        return (o.add_scaled(g, t, s.decay) if nesterov else t), t
 
-        return TraceState(zero_count(), tree_map(zeros, params))
-
-    def update(updates: PyTree, state: TraceState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, TraceState]:
-        check_state(state, TraceState, "trace")
-        grads, traces, spec = check_leaves(updates, state.trace, like_what="the trace state (params)")
-        first_step = state.count == 0
-        new_updates, new_traces = [], []
-        for g, t in zip(grads, traces):
-            if g is None:
-                new_updates.append(None)
-                new_traces.append(t)
-                continue
-            g_acc = g.to(t.dtype)
-            if undamped:
-                t_new = _add_scaled(g_acc, t, decay)
-            else:
-                t_new = torch.where(for_leaf(first_step, g_acc), g_acc, t * decay + (1 - dampening) * g_acc)
-            u = _add_scaled(g_acc, t_new, decay) if nesterov else t_new  # torch.optim: grad.add(buf, alpha=momentum)
-            new_updates.append(u.to(g.dtype))
-            new_traces.append(t_new)
-        return spec.unflatten(new_updates), TraceState(safe_increment(state.count), spec.unflatten(new_traces))
-
-    return GradientTransformation(init, update)
-
-
-def _add_scaled(x: torch.Tensor, y: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
-    """``x + factor * y`` rounded as ``torch.add(x, y, alpha=factor)``; ``addcmul`` takes a tensor factor (which
-    autograd then sees) and rounds identically."""
-    if isinstance(factor, torch.Tensor):
-        return torch.addcmul(x, y, factor.to(y.dtype))
-    return torch.add(x, y, alpha=factor)
+    slot = Slot("trace", accumulator_dtype, moment_requires_grad)
+    return elementwise(Elementwise("trace", TraceState, (slot,), True, prologue, body))
 
 
 class EmaState(NamedTuple):

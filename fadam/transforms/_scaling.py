@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule, stateless_with_tree_map
-from fadam._numerics import for_leaf, safe_increment, zero_count
-from fadam._tree import PyTree, tree_map
-from fadam.transforms._validation import check_non_negative, check_state
+from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule
+from fadam._program import Elementwise, elementwise
+from fadam.transforms._validation import check_non_negative
 
 
-def _scale_leaves(updates: PyTree, factor: float | torch.Tensor) -> PyTree:
-    if not isinstance(factor, torch.Tensor):  # a Python number never changes the update's dtype
-        return tree_map(lambda g: None if g is None else g * factor, updates)
-    # a 0-d tensor factor (a schedule's float64 value) would promote a 0-d update: keep the update's dtype
-    return tree_map(lambda g: None if g is None else (g * for_leaf(factor, g)).to(g.dtype), updates)
+def _scale_body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+    return (g * s.step_size,)
+
+
+def scaling(name: str, factor: Callable[[], float | torch.Tensor]) -> GradientTransformation:
+    """A stateless transform multiplying updates by ``factor()``, read at each update."""
+    return elementwise(Elementwise(name, EmptyState, (), False, lambda count: {"step_size": factor()}, _scale_body))
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -31,10 +33,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
         [tensor([-2., -2.])]
     """
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
-        return _scale_leaves(updates, step_size), state
-
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return scaling("scale", lambda: step_size)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -55,16 +54,16 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         [tensor([0.5000])]
     """
 
-    def init(params: PyTree) -> ScaleByScheduleState:
-        return ScaleByScheduleState(zero_count())
-
-    def update(
-        updates: PyTree, state: ScaleByScheduleState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByScheduleState]:
-        check_state(state, ScaleByScheduleState, "scale_by_schedule")
-        return _scale_leaves(updates, step_size_fn(state.count)), ScaleByScheduleState(safe_increment(state.count))
-
-    return GradientTransformation(init, update)
+    return elementwise(
+        Elementwise(
+            "scale_by_schedule",
+            ScaleByScheduleState,
+            (),
+            True,
+            lambda count: {"step_size": step_size_fn(count)},
+            _scale_body,
+        )
+    )
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -83,8 +82,6 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     if callable(learning_rate):
         return scale_by_schedule(lambda count: sign * learning_rate(count))
     check_non_negative("learning rate", learning_rate)
-    if isinstance(learning_rate, torch.Tensor):
-        # negated at each update: a negated tensor built here would be one graph node shared by every use of the
-        # transform, freed by the first backward (a learned lr reused across outer iterations would then fail)
-        return stateless_with_tree_map(lambda g, p: g * (sign * learning_rate))
-    return scale(sign * learning_rate)
+    # negated at each update: a negated tensor built here would be one graph node shared by every use of the
+    # transform, freed by the first backward (a learned lr reused across outer iterations would then fail)
+    return scaling("scale_by_learning_rate", lambda: sign * learning_rate)

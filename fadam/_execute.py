@@ -1,0 +1,452 @@
+"""Running a program: the backend each group of leaves takes, and ``explain``, which says so.
+
+A program (``fadam._program``) is cut into segments: a run of declared stages, where a stage with a reduction starts
+a new one unless it comes first (its reduction reads the segment's input, which must exist for every leaf), or one
+opaque stage. A masked stage (``masked``, ``partition``) applies to the leaves its mask selects; within a segment,
+leaves are grouped by the stages that apply to them, and each group runs those. ``fadam.step`` runs each segment:
+
+- *generated kernel* (``fadam._cpu_kernel``): one call per group for all the leaves that may take it: plain CPU
+  tensors that autograd does not record, contiguous, float32 or float64 (complex ones as pairs of reals), with the
+  gradient and every slot in the param's dtype; the last segment also adds the update to the param;
+- *eager*: the declarations' bodies on torch ops, for the other leaves, and every leaf of an opaque stage.
+
+``refusal`` is the one place that decides, leaf by leaf, and gives the reason a leaf does not take the kernel. A
+donated step's aliasing is checked before (``fadam.step``), for all leaves at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fadam._base import add_update
+from fadam._cpu_kernel import KERNEL_DTYPES, load
+from fadam._dispatch import PLAIN_TYPES, functorch_wrapped, is_plain
+from fadam._program import (
+    Elementwise,
+    Program,
+    Stage,
+    eager_stage,
+    leaf_selection,
+    program_of,
+    scalar_values,
+    state_at,
+    trace,
+    with_state_at,
+)
+from fadam._tree import PyTree, check_leaves, tree_paths
+
+Leaves = list[torch.Tensor | None]
+
+BACKENDS = ("auto", "eager", "kernel")
+_backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Runs the steps and updates inside the block on one backend: ``"auto"`` (the default: torch's fused kernel
+    where an alias matches one, else the generated kernel where the leaves allow it, else eager), ``"eager"`` (torch
+    ops only: the reference) or ``"kernel"`` (the generated kernel where the leaves allow it, never torch's fused
+    kernels). The choice holds for the current thread (and task) only.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.lion(1e-3)
+        >>> params = {"w": torch.ones(3)}
+        >>> with fadam.backend("eager"):
+        ...     new_params, state = fadam.step(tx, params, {"w": torch.ones(3)}, tx.init(params))
+        >>> new_params["w"]
+        tensor([0.9990, 0.9990, 0.9990])
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+class Segment(NamedTuple):
+    stages: tuple[Stage, ...]
+
+    @property
+    def opaque(self) -> bool:
+        return self.stages[0].decl is None
+
+
+def segments(program: Program) -> list[Segment]:
+    found: list[Segment] = []
+    current: list[Stage] = []
+    for stage in program.stages:
+        if stage.decl is None or (stage.decl.reduce is not None and current):
+            if current:
+                found.append(Segment(tuple(current)))
+            current = []
+        if stage.decl is None:
+            found.append(Segment((stage,)))
+        else:
+            current.append(stage)
+    if current:
+        found.append(Segment(tuple(current)))
+    return found
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], grad_enabled: bool) -> str | None:
+    """Why a leaf cannot take the generated kernel, or ``None`` if it can."""
+    if u is None:
+        return "no gradient"
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile"
+    for tensor in (p, u, *slots):
+        if type(tensor) not in PLAIN_TYPES:
+            return f"a {type(tensor).__name__}, not a plain tensor"
+        if tensor.layout != torch.strided:
+            return f"a {tensor.layout} tensor"
+        if not tensor.is_cpu:
+            return f"on {tensor.device}"
+        if not is_plain(tensor):
+            return "autograd or torch.func records it" if tensor.requires_grad else "wrapped by torch.func"
+        if not tensor.is_contiguous():
+            return "not contiguous"
+    dtype = _real(p).dtype
+    if p.dim() == 0 and dtype != torch.float64:
+        return "a 0-d leaf, which computes with float64 scalars"
+    if dtype not in KERNEL_DTYPES:
+        return f"{p.dtype} (the kernel takes float32 and float64)"
+    if any(t.dtype != p.dtype for t in (u, *slots)):
+        return "its gradient or state has another dtype than the param"
+    return None
+
+
+def _graph_scalar(value: Any, grad_enabled: bool) -> bool:
+    """Whether a scalar is a tensor that autograd or ``torch.func`` must see: the segment then runs eagerly."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return functorch_wrapped(value) or (grad_enabled and value.requires_grad)
+
+
+class _StageLeaves(NamedTuple):
+    """A declared stage's leaves: which of the params' leaves it applies to, and its slots' leaves over those."""
+
+    selected: list[bool]
+    slots: list[list[torch.Tensor]]  # per slot, one leaf per selected param leaf
+    position: list[int | None]  # per param leaf, its index in the slot lists
+
+
+def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> dict[tuple, _StageLeaves] | None:
+    """Each declared stage's leaves, or ``None`` where a state is not laid out as its stage's ``init`` lays it out
+    (another type, an OrderedDict of the params' dict...): the eager path then matches it or names the problem."""
+    found = {}
+    for stage in program.stages:
+        if stage.decl is None:
+            continue
+        stage_state = state_at(state, stage.path)
+        if not isinstance(stage_state, stage.decl.state_type):
+            return None
+        selected = leaf_selection(stage, params)
+        like = optree.tree_structure(_masked_tree(params, selected), none_is_leaf=True) if stage.selections else spec
+        trees = [getattr(stage_state, slot.name) for slot in stage.decl.slots]
+        if any(optree.tree_structure(tree, none_is_leaf=True) != like for tree in trees):
+            return None
+        positions: list[int | None] = []
+        for flag in selected:
+            positions.append(sum(1 for p in positions if p is not None) if flag else None)
+        slots = [like.flatten_up_to(tree) for tree in trees]
+        references = [leaf for leaf, keep in zip(optree.tree_leaves(params, none_is_leaf=True), selected) if keep]
+        if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
+            return None
+        found[stage.path] = _StageLeaves(selected, slots, positions)
+    return found
+
+
+def _same_place(slot: Any, reference: Any) -> bool:
+    """Whether a slot leaf has its param's (or update's) shape and device, as its ``init`` made it."""
+    if reference is None or not isinstance(slot, torch.Tensor):
+        return reference is None or slot is None
+    return slot.shape == reference.shape and slot.device == reference.device
+
+
+def _masked_tree(params: PyTree, selected: list[bool]) -> PyTree:
+    from fadam.combinators._masking import MaskedNode
+
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
+    return spec.unflatten([leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
+
+
+class _Step(NamedTuple):
+    """What a step reads and writes, leaf by leaf, as the segments run."""
+
+    params: Leaves
+    updates: Leaves  # the current updates; None once applied to the param
+    new_params: Leaves
+    applied: list[bool]
+    leaves: dict[tuple, _StageLeaves]
+
+
+def run_step(
+    program: Program, params: PyTree, grads: PyTree, state: PyTree, donate: bool
+) -> tuple[PyTree, PyTree] | None:
+    """One step of ``program`` with the generated kernel where leaves allow it, or ``None`` when no leaf can take it
+    (the caller then runs ``update`` and ``apply_updates``). State of another layout also gives ``None``, so that the
+    transforms' own checks name what they expected."""
+    ran = _run(program, grads, state, params, donate, applies=True)
+    if ran is None:
+        return None
+    step, state, spec = ran
+    for i, (p, u) in enumerate(zip(step.params, step.updates)):
+        if step.applied[i] or u is None:
+            continue
+        step.new_params[i] = add_update(p, u, in_place=donate and is_plain(p) and is_plain(u))
+    return spec.unflatten(step.new_params), state
+
+
+def run_update(program: Program, updates: PyTree, state: PyTree, params: PyTree | None) -> tuple[PyTree, PyTree] | None:
+    """``update`` of ``program`` with the generated kernel where leaves allow it (new tensors, nothing written), or
+    ``None`` as ``run_step``."""
+    if torch.compiler.is_compiling() or _backend.get() == "eager":  # inductor fuses a traced update itself
+        return None
+    first = next((leaf for leaf in optree.tree_leaves(updates) if isinstance(leaf, torch.Tensor)), None)
+    if first is None or not first.is_cpu or not is_plain(first):  # autograd, torch.func or a device: eager, quickly
+        return None
+    ran = _run(program, updates, state, params, donate=False, applies=False)
+    if ran is None:
+        return None
+    step, state, spec = ran
+    return spec.unflatten(step.updates), state
+
+
+def _run(
+    program: Program, grads: PyTree, state: PyTree, params: PyTree | None, donate: bool, applies: bool
+) -> tuple[_Step, PyTree, Any] | None:
+    try:
+        grad_leaves, param_leaves, spec = check_leaves(grads, grads if params is None else params, what="grads")
+        program, state = program.expanded(state)
+        if params is None:
+            if any(s.decl is not None and s.decl.uses_params for s in program.stages):
+                return None  # the transform's own update names what is missing
+            param_leaves = [None] * len(grad_leaves)
+        stage_leaves = _stage_leaves(program, state, grads if params is None else params, spec)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError):
+        return None
+    # gradients of another dtype than their params: chain casts them first, which the eager path does
+    if params is not None and any(g is not None and g.dtype != p.dtype for g, p in zip(grad_leaves, param_leaves)):
+        return None
+    if stage_leaves is None or not _any_kernel_leaf(program, param_leaves, grad_leaves, stage_leaves):
+        return None
+    step = _Step(list(param_leaves), list(grad_leaves), list(param_leaves), [False] * len(param_leaves), stage_leaves)
+    parts = segments(program)
+    for number, part in enumerate(parts):
+        if part.opaque:
+            stage = part.stages[0]
+            new_updates, new_state = stage.tx.update(spec.unflatten(step.updates), state_at(state, stage.path), params)
+            step.updates[:] = spec.flatten_up_to(new_updates)
+            state = with_state_at(state, stage.path, new_state)
+        else:
+            state = _run_segment(part, state, step, applies and number == len(parts) - 1, donate)
+    return step, state, spec
+
+
+def fast_step(tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
+    """``tx``'s step by the fastest backend these tensors allow: torch's fused kernel where ``tx`` is an alias that
+    matches one, else its program with the generated kernel; ``None`` where neither applies to any leaf (the caller
+    runs ``update`` and ``apply_updates``)."""
+    # while torch.compile traces, the fused steps decide for themselves (paging runs outside the graph) and the
+    # program is left to inductor, which fuses the traced update
+    compiling = torch.compiler.is_compiling()
+    chosen = "auto" if compiling else _backend.get()
+    if chosen == "eager":
+        return None
+    fused_step = getattr(tx.update, "fused_step", None)
+    if fused_step is not None and chosen == "auto":
+        result = fused_step(params, grads, state, donate)
+        if result is not None:
+            return result
+    program = getattr(tx.update, "program", None)
+    return None if program is None or compiling else run_step(program, params, grads, state, donate)
+
+
+def _slots_of(part: Segment, leaves: dict[tuple, _StageLeaves], i: int) -> list[torch.Tensor]:
+    """Leaf ``i``'s slot leaves in ``part``, over the stages that apply to it, in order."""
+    found = []
+    for stage in part.stages:
+        entry = leaves[stage.path]
+        if entry.position[i] is not None:
+            found.extend(slot[entry.position[i]] for slot in entry.slots)
+    return found
+
+
+def _any_kernel_leaf(program: Program, params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves]) -> bool:
+    grad_enabled = torch.is_grad_enabled()
+    first = next((part for part in segments(program) if not part.opaque), None)
+    return first is not None and any(
+        refusal(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled) is None
+        for i, (p, g) in enumerate(zip(params, grads))
+    )
+
+
+def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: bool) -> Any:
+    """Runs one declared segment on every leaf (updating ``step``'s lists); returns the state with the segment's
+    stages advanced."""
+    grad_enabled = torch.is_grad_enabled()
+    stage_states = [state_at(state, stage.path) for stage in part.stages]
+    entries = [step.leaves[stage.path] for stage in part.stages]
+    scalars = [
+        stage.decl.scalars(
+            stage_state.count if stage.decl.counted else None,
+            [u for u, keep in zip(step.updates, entry.selected) if keep],
+        )
+        for stage, stage_state, entry in zip(part.stages, stage_states, entries)
+    ]
+    eager_only = any(_graph_scalar(v, grad_enabled) for stage in scalars for v in stage.values())
+    groups: dict[tuple[bool, ...], list[int]] = {}  # the stages that apply to a leaf -> its leaves
+    for i in range(len(step.params)):
+        groups.setdefault(tuple(entry.selected[i] for entry in entries), []).append(i)
+    new_slots = [[list(slot) for slot in entry.slots] for entry in entries]
+    for applying, members in groups.items():
+        chosen = [k for k, flag in enumerate(applying) if flag]
+        kernel = (
+            []
+            if eager_only or not chosen
+            else [
+                i
+                for i in members
+                if step.params[i] is not None
+                and refusal(step.params[i], step.updates[i], _slots_of(part, step.leaves, i), grad_enabled) is None
+            ]
+        )
+        if kernel:
+            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate)
+        eager = [i for i in members if i not in set(kernel)]
+        if eager and chosen:
+            _run_eager(part, chosen, scalars, eager, step, new_slots)
+    for stage, stage_state, slots in zip(part.stages, stage_states, new_slots):
+        trees = [
+            optree.tree_structure(getattr(stage_state, slot.name), none_is_leaf=True).unflatten(leaves)
+            for slot, leaves in zip(stage.decl.slots, slots)
+        ]
+        state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees))
+    return state
+
+
+def _reference(step: _Step, i: int) -> torch.Tensor | None:
+    """The tensor whose dtype and device leaf ``i``'s kernel follows: its param, or its update without params."""
+    return step.updates[i] if step.params[i] is None else step.params[i]
+
+
+def _run_eager(
+    part: Segment, chosen: list[int], scalars: list[dict], members: list[int], step: _Step, new_slots: list
+) -> None:
+    updates = [step.updates[i] for i in members]
+    for k in chosen:
+        decl, entry = part.stages[k].decl, step.leaves[part.stages[k].path]
+        where = [entry.position[i] for i in members]
+        params = [step.params[i] for i in members] if decl.uses_params else [None] * len(members)
+        updates, results = eager_stage(decl, scalars[k], updates, params, [[s[w] for w in where] for s in new_slots[k]])
+        for slot, result in zip(new_slots[k], results):
+            for w, value in zip(where, result):
+                slot[w] = value
+    for i, u in zip(members, updates):
+        step.updates[i] = u
+
+
+def _run_kernel(
+    part: Segment,
+    chosen: list[int],
+    scalars: list[dict],
+    members: list[int],
+    step: _Step,
+    new_slots: list,
+    applies: bool,
+    donate: bool,
+) -> None:
+    decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
+    traced = trace(decls, applies)
+    values = scalar_values(decls, [scalars[k] for k in chosen], traced.graph)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in members:
+        by_dtype.setdefault(_real(_reference(step, i)).dtype, []).append(i)
+    for dtype, group in by_dtype.items():
+        kernel = load(traced, dtype)
+        if kernel is None:
+            _run_eager(part, chosen, scalars, group, step, new_slots)
+            continue
+        rows, written = [], []
+        for i in group:
+            p, u = step.params[i], step.updates[i]
+            where = [(k, step.leaves[part.stages[k].path].position[i]) for k in chosen]
+            slot_in = [slot[w] for k, w in where for slot in new_slots[k]]
+            slot_out = slot_in if donate else [torch.empty_like(t) for t in slot_in]
+            final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
+            inputs = [u, *([p] if traced.reads_params else []), *slot_in]
+            rows.append([_real(t) for t in (*inputs, *slot_out, final)])
+            written.append((where, slot_out, final))
+        kernel.run(rows, values)
+        for i, (where, slot_out, final) in zip(group, written):
+            outputs = iter(slot_out)
+            for k, w in where:
+                for slot in new_slots[k]:
+                    slot[w] = next(outputs)
+            if applies:
+                step.new_params[i], step.applied[i], step.updates[i] = final, True, None
+            else:
+                step.updates[i] = final
+
+
+def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree | None = None) -> str:
+    """Which backend each group of ``params``' leaves takes in ``fadam.step(tx, params, grads, state)``, and why.
+
+    ``grads`` default to zeros like the params and ``state`` to ``tx.init(params)``; nothing is stepped. A line per
+    segment of the program and backend: the stages, the backend (or why not the generated kernel), the leaves.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.chain(fadam.scale_by_lion(), fadam.scale(-1e-4))
+        >>> print(fadam.explain(tx, {"w": torch.zeros(4), "h": torch.zeros(2, dtype=torch.bfloat16)}))
+        scale_by_lion -> scale: eager: torch.bfloat16 (the kernel takes float32 and float64): ['h']
+        scale_by_lion -> scale: generated CPU kernel: ['w']
+    """
+    grads = grads if grads is not None else optree.tree_map(torch.zeros_like, params)
+    state = state if state is not None else tx.init(params)
+    lines = []
+    if getattr(tx.update, "fused_step", None) is not None:
+        lines.append("torch's fused kernel where the step's tensors allow it (tried first)")
+    program, state = program_of(tx).expanded(state)
+    paths = tree_paths(params)
+    grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+    leaves = _stage_leaves(program, state, params, spec)
+    if leaves is None:
+        return "\n".join([*lines, "eager: the state is not laid out as the transform's init lays it out"])
+    grad_enabled = torch.is_grad_enabled()
+    for part in segments(program):
+        if part.opaque:
+            lines.append(f"{_opaque_name(part.stages[0])}: eager (an opaque transform): all {len(paths)} leaves")
+            continue
+        groups: dict[tuple[str, str], list[str]] = {}
+        for i, (p, g) in enumerate(zip(param_leaves, grad_leaves)):
+            names = " -> ".join(s.decl.name for s in part.stages if leaves[s.path].selected[i])
+            if not names:
+                continue  # its mask leaves the leaf out of every stage here
+            reason = refusal(p, g, _slots_of(part, leaves, i), grad_enabled)
+            backend = "generated CPU kernel" if reason is None else f"eager: {reason}"
+            groups.setdefault((names, backend), []).append(paths[i])
+        for (names, backend), members in sorted(groups.items()):
+            shown = ", ".join(members[:4]) + (f", ... ({len(members)} leaves)" if len(members) > 4 else "")
+            lines.append(f"{names}: {backend}: {shown}")
+    return "\n".join(lines)
+
+
+def _opaque_name(stage: Stage) -> str:
+    """A readable name for an opaque stage: where its state sits, and its update function's name."""
+    update = stage.tx.update if stage.tx is not None else None
+    name = getattr(update, "__qualname__", "update").split(".<locals>")[0]
+    return f"{name} (state at {list(stage.path)})" if stage.path else name

@@ -1,0 +1,547 @@
+"""Elementwise transforms declared once, and the programs that chains compose from them.
+
+A transform whose math is per element declares it as an ``Elementwise``:
+
+- its state: a ``NamedTuple`` type holding an optional step count and one tree per ``Slot`` (a moment, a trace);
+- a *prologue*, ``prologue(count) -> {name: scalar}``, run once per step on the steps taken so far: bias
+  corrections, scheduled rates, every number the body needs that does not depend on the element;
+- optionally a *reduction*, ``reduce(updates) -> {name: scalar}``, over all of its incoming updates at once (a
+  global norm), whose scalars feed the body like the prologue's;
+- a *body*, ``body(o, s, u, p, *slots) -> (u, *slots)``, the math of one element: ``u`` the incoming update, ``p``
+  the param (``None`` unless ``uses_params``), ``s`` the scalars by name, ``o`` the operations beyond Python's
+  operators (``o.sqrt``, ``o.sign``, ``o.maximum``, ``o.where``, ``o.cast`` ...).
+
+The same body runs on torch tensors, which is the transform's ``update`` (autograd, ``torch.func``, DTensor, the
+meta device: whatever torch ops support), and on symbols, which ``trace`` records as a ``Graph`` that a backend
+compiles (``fadam._cpu_kernel``). Every operation rounds once, in the leaf's dtype, in both: no fused multiply-add,
+no reassociation. Arithmetic between two scalars is refused when traced: it belongs in the prologue, where it is
+computed once in double precision as the eager body would compute it.
+
+``chain`` composes its members' declarations into a ``Program``: a sequence of stages, each a declaration with the
+place of its state in the chain's state, or an opaque transform (plain ``init``/``update``), which the backends run
+as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fadam._base import GradientTransformation
+from fadam._dispatch import is_plain
+from fadam._numerics import dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
+from fadam.transforms._validation import check_state
+
+Scalars = dict[str, "float | torch.Tensor"]
+
+
+class Slot(NamedTuple):
+    """One tree of per-element state: its field name in the state and its dtype (``None``: the param's)."""
+
+    name: str
+    dtype: torch.dtype | None = None
+    requires_grad: bool = False  # created as leaves that autograd tracks (meta-gradients into the initial state)
+
+
+class Elementwise(NamedTuple):
+    """The per-element math of one transform (see the module's docstring)."""
+
+    name: str
+    state_type: type
+    slots: tuple[Slot, ...]
+    counted: bool  # the state's first field is a step count
+    prologue: Callable[[torch.Tensor | None], Scalars]
+    body: Callable[..., tuple]
+    uses_params: bool = False
+    reduce: Callable[[list[torch.Tensor | None]], Scalars] | None = None
+
+    def init(self, params: PyTree) -> Any:
+        if not self.counted and not self.slots:
+            return self.state_type()
+        if self.slots:
+            check_params(params)
+        trees = [
+            tree_map(
+                lambda p, slot=slot: (
+                    None
+                    if p is None
+                    else torch.zeros_like(p, dtype=dtype_for(p, slot.dtype), requires_grad=slot.requires_grad)
+                ),
+                params,
+            )
+            for slot in self.slots
+        ]
+        return self.state_type(*([zero_count()] if self.counted else []), *trees)
+
+    def scalars(self, count: torch.Tensor | None, updates: list[torch.Tensor | None]) -> Scalars:
+        """The per-step scalars: the prologue's, then the reduction's over ``updates``."""
+        scalars = self.prologue(count)
+        if self.reduce is not None:
+            scalars = {**scalars, **self.reduce(updates)}
+        return scalars
+
+    def advance(self, state: Any, slot_trees: Sequence[PyTree]) -> Any:
+        """The state after one step, holding ``slot_trees``."""
+        if not self.counted and not self.slots:
+            return state
+        return self.state_type(*([safe_increment(state.count)] if self.counted else []), *slot_trees)
+
+
+def elementwise(decl: Elementwise) -> GradientTransformation:
+    """The transform that ``decl`` declares: ``init`` builds its state, ``update`` runs its body on torch tensors,
+    leaf by leaf. The update carries the declaration as ``update.program`` for ``chain`` and ``fadam.step``."""
+
+    program = Program((Stage(decl, ()),))
+
+    def update(updates: PyTree, state: Any, params: PyTree | None = None, **_: Any) -> tuple[PyTree, Any]:
+        if decl.counted or decl.slots:  # a stateless transform takes whatever state it is given back
+            check_state(state, decl.state_type, decl.name)
+        if decl.uses_params and params is None:
+            raise ValueError(f"{decl.name} needs params: call update(updates, state, params)")
+        from fadam._execute import run_update  # the executor builds on this module
+
+        compiled = run_update(program, updates, state, params)
+        if compiled is not None:
+            return compiled
+        if decl.slots:
+            grads, first, spec = check_leaves(
+                updates, getattr(state, decl.slots[0].name), like_what=f"the {decl.name} state (params)"
+            )
+            slot_lists = [first] + [spec.flatten_up_to(getattr(state, slot.name)) for slot in decl.slots[1:]]
+        else:
+            grads, _, spec = check_leaves(updates, updates if params is None else params)
+            slot_lists = []
+        param_leaves = spec.flatten_up_to(params) if decl.uses_params else [None] * len(grads)
+        scalars = decl.scalars(state.count if decl.counted else None, grads)
+        new_updates, new_slots = eager_stage(decl, scalars, grads, param_leaves, slot_lists)
+        return spec.unflatten(new_updates), decl.advance(state, [spec.unflatten(s) for s in new_slots])
+
+    return GradientTransformation(decl.init, ProgramUpdate(update, program))
+
+
+# ---------------------------------------------------------------------------------------------------------- eager
+
+
+class _Namespace:
+    """The scalars a body reads as attributes (``s.b1``)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+
+class EagerOps:
+    """The body's operations on torch tensors: one torch op each, rounding once."""
+
+    @staticmethod
+    def sqrt(x: torch.Tensor) -> torch.Tensor:
+        # where autograd or torch.func sees the step, derivatives must stay finite where x is 0 (safe_sqrt)
+        return torch.sqrt(x) if is_plain(x) else safe_sqrt(x)
+
+    abs = staticmethod(torch.abs)
+    sign = staticmethod(torch.sign)
+    maximum = staticmethod(torch.maximum)
+    minimum = staticmethod(torch.minimum)
+    where = staticmethod(torch.where)
+
+    @staticmethod
+    def clamp(x: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
+        return torch.clamp(x, low, high)
+
+    @staticmethod
+    def cast(x: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor | float:
+        """``x`` in ``like``'s dtype; a number stays a number (tensor ops round it to their dtype themselves)."""
+        if not isinstance(x, torch.Tensor) or x.dtype == like.dtype:
+            return x
+        return x.to(like.dtype)
+
+    # torch.optim's fused operations, rounded as ATen rounds them (the kernels reproduce that rounding)
+    @staticmethod
+    def lerp(start: torch.Tensor, end: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor) and weight.dtype != start.dtype:
+            weight = weight.to(start.dtype)
+        return torch.lerp(start, end, weight)
+
+    @staticmethod
+    def addcmul(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float | torch.Tensor) -> torch.Tensor:
+        """``c + value * a * b``; a tensor ``value`` (which ``addcmul`` takes only as a number) rounds alike."""
+        if isinstance(value, torch.Tensor):
+            return torch.addcmul(c, a * value.to(a.dtype), b)
+        return torch.addcmul(c, a, b, value=value)
+
+    @staticmethod
+    def add_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
+        """``torch.add(a, b, alpha=alpha)``; a tensor ``alpha`` (a number there) through ``addcmul``, rounded alike."""
+        if isinstance(alpha, torch.Tensor):
+            return torch.addcmul(a, b, alpha.to(b.dtype))
+        return torch.add(a, b, alpha=alpha)
+
+
+EAGER = EagerOps()
+
+
+def _as_real(x: torch.Tensor | None) -> torch.Tensor | None:
+    return torch.view_as_real(x) if x is not None and x.is_complex() else x
+
+
+def _leaf_scalars(scalars: Scalars, leaf: torch.Tensor, cache: dict) -> _Namespace:
+    """The scalars as a body sees them for ``leaf``. A number or a 0-d tensor combined with a leaf of at least one
+    dimension rounds to the leaf's dtype alike (a float64 0-d tensor does not promote it), and the generated kernels
+    cast every scalar to their dtype the same way. A 0-d leaf would be promoted by a 0-d tensor but not by a number:
+    there every scalar is a float64 0-d tensor, so that a 0-d leaf computes alike under ``torch.func.vmap`` (where
+    the scalars derived from a batched count are tensors) and outside it."""
+    zero_dim = leaf.dim() == 0
+    key = (leaf.device, zero_dim)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = _Namespace({name: _scalar_for(v, leaf, zero_dim) for name, v in scalars.items()})
+    return found
+
+
+def _scalar_for(value: float | torch.Tensor, leaf: torch.Tensor, zero_dim: bool) -> float | torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(value, dtype=torch.float64) if zero_dim else value
+    if value.device != leaf.device and value.device.type != "cpu":  # leaves on several devices (model parallel)
+        return value.to(leaf.device, non_blocking=leaf.device.type != "cpu")
+    return for_leaf(value, leaf)
+
+
+def eager_stage(
+    decl: Elementwise,
+    scalars: Scalars,
+    updates: list[torch.Tensor | None],
+    params: list[torch.Tensor | None],
+    slots: list[list[torch.Tensor]],
+) -> tuple[list[torch.Tensor | None], list[list[torch.Tensor]]]:
+    """Runs ``decl``'s body leaf by leaf with torch ops; returns the updates and each slot's new leaves. A ``None``
+    update skips its leaf (torch.optim skips a param without a gradient). Complex leaves run as pairs of reals
+    (``torch.view_as_real``), as torch.optim treats them."""
+    new_updates: list[torch.Tensor | None] = []
+    new_slots: list[list[torch.Tensor]] = [[] for _ in slots]
+    cache: dict = {}
+    for index, u in enumerate(updates):
+        leaves = [s[index] for s in slots]
+        if u is None:
+            new_updates.append(None)
+            for out, leaf in zip(new_slots, leaves):
+                out.append(leaf)
+            continue
+        real = _as_real(u)
+        s = _leaf_scalars(scalars, real, cache)
+        result = decl.body(EAGER, s, real, _as_real(params[index]), *[_as_real(leaf) for leaf in leaves])
+        out_u = result[0]
+        if u.is_complex():
+            out_u = torch.view_as_complex(out_u.to(real.dtype).contiguous())
+        new_updates.append(out_u if out_u.dtype == u.dtype else out_u.to(u.dtype))
+        for out, new, leaf in zip(new_slots, result[1:], leaves):
+            if new.dtype != _as_real(leaf).dtype:
+                new = new.to(_as_real(leaf).dtype)
+            out.append(torch.view_as_complex(new.contiguous()) if leaf.is_complex() else new)
+    return new_updates, new_slots
+
+
+# ---------------------------------------------------------------------------------------------------------- programs
+
+
+class Stage(NamedTuple):
+    """One member of a program: a declaration, or an opaque transform (``decl`` ``None``), with the path of its state
+    inside the program's state (indices into tuples, keys into dicts, field names of named tuples), and the masks
+    that select its leaves, outermost first (``masked``: each takes the tree its mask applies to, the params with the
+    leaves of the masks before it replaced by ``MaskedNode``, and gives a bool per leaf of it)."""
+
+    decl: Elementwise | None
+    path: tuple[int | str, ...]
+    tx: GradientTransformation | None = None
+    selections: tuple[Callable[[PyTree], list[bool]], ...] = ()
+    # a transform that builds its inner transform at each step (inject_hyperparams): given its state, the inner
+    # program, the field of its state that holds the inner state, and its own state after the step but for that field
+    expand: Callable[[Any], tuple[Program, str, Any]] | None = None
+
+
+class Program(NamedTuple):
+    """What a transform does, as stages in order."""
+
+    stages: tuple[Stage, ...]
+
+    def prefixed(self, key: int | str) -> Program:
+        return Program(tuple(s._replace(path=(key, *s.path)) for s in self.stages))
+
+    def masked(self, selection: Callable[[PyTree], list[bool]], key: str) -> Program:
+        """The program applied to the leaves ``selection`` picks, its state under ``key``."""
+        return Program(
+            tuple(s._replace(path=(key, *s.path), selections=(selection, *s.selections)) for s in self.stages)
+        )
+
+    @property
+    def declared(self) -> bool:
+        """Whether a stage is (or may expand into) a declaration: a program of opaque stages has nothing to compile."""
+        return any(s.decl is not None or s.expand is not None for s in self.stages)
+
+    def expanded(self, state: Any) -> tuple[Program, Any]:
+        """The program with every expanding stage replaced by its inner program for ``state``, and the state with
+        those stages' own parts advanced (their inner states are then the inner stages' to update)."""
+        stages: list[Stage] = []
+        for stage in self.stages:
+            if stage.expand is None:
+                stages.append(stage)
+                continue
+            inner, field, advanced = stage.expand(state_at(state, stage.path))
+            state = with_state_at(state, stage.path, advanced)
+            inner, state_inner = inner.expanded(getattr(advanced, field))
+            state = with_state_at(state, (*stage.path, field), state_inner)
+            for s in inner.stages:
+                stages.append(
+                    s._replace(path=(*stage.path, field, *s.path), selections=stage.selections + s.selections)
+                )
+        return Program(tuple(stages)), state
+
+
+def program_of(tx: GradientTransformation) -> Program:
+    """``tx``'s program: its declared one, or a single opaque stage."""
+    found = getattr(tx.update, "program", None)
+    return found if found is not None else Program((Stage(None, (), tx),))
+
+
+def with_program(init: Callable, update: Callable, program: Program) -> GradientTransformation:
+    """The transform ``(init, update)``, its update carrying ``program`` where a stage of it is declared."""
+    return GradientTransformation(init, ProgramUpdate(update, program) if program.declared else update)
+
+
+def leaf_selection(stage: Stage, params: PyTree) -> list[bool]:
+    """Which of ``params``' leaves ``stage`` applies to."""
+    from fadam.combinators._masking import MaskedNode  # combinators build on this module
+
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
+    selected = [True] * len(leaves)
+    for selection in stage.selections:
+        tree = spec.unflatten([leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
+        flags = iter(selection(tree))
+        selected = [keep and next(flags) for keep in selected]
+    return selected
+
+
+class ProgramUpdate:
+    """An ``update`` function that also carries its transform's ``Program``. Calling it is calling ``update``."""
+
+    def __init__(self, update: Callable[..., tuple[PyTree, PyTree]], program: Program) -> None:
+        self._update = update
+        self.program = program
+
+    def __call__(
+        self, updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
+    ) -> tuple[PyTree, PyTree]:
+        return self._update(updates, state, params, **extra_args)
+
+
+def state_at(state: Any, path: tuple[int | str, ...]) -> Any:
+    for key in path:
+        state = getattr(state, key) if isinstance(key, str) and hasattr(state, "_fields") else state[key]
+    return state
+
+
+def with_state_at(state: Any, path: tuple[int | str, ...], value: Any) -> Any:
+    """``state`` with the part at ``path`` replaced (tuples, named tuples and dicts rebuilt, the rest shared)."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(key, str) and hasattr(state, "_fields"):
+        return state._replace(**{key: with_state_at(getattr(state, key), rest, value)})
+    if isinstance(state, dict):
+        return {**state, key: with_state_at(state[key], rest, value)}
+    items = list(state)
+    items[key] = with_state_at(items[key], rest, value)
+    return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+
+
+# ---------------------------------------------------------------------------------------------------------- tracing
+
+
+class Node:
+    """A value in a traced body: an input, a scalar, a constant or an operation on earlier nodes."""
+
+    __slots__ = ("args", "boolean", "elementwise", "graph", "index", "op", "value")
+
+    def __init__(self, graph: Graph, op: str, args: tuple = (), value: Any = None, elementwise: bool = True) -> None:
+        self.graph, self.op, self.args, self.value = graph, op, args, value
+        self.elementwise = elementwise
+        self.boolean = op in _COMPARISONS
+        self.index = len(graph.nodes)
+        graph.nodes.append(self)
+
+    def _binary(self, op: str, other: Any, swap: bool = False) -> Node:
+        other = self.graph.lift(other)
+        a, b = (other, self) if swap else (self, other)
+        return self.graph.apply(op, a, b)
+
+    def __add__(self, other: Any) -> Node:
+        return self._binary("add", other)
+
+    def __radd__(self, other: Any) -> Node:
+        return self._binary("add", other, swap=True)
+
+    def __sub__(self, other: Any) -> Node:
+        return self._binary("sub", other)
+
+    def __rsub__(self, other: Any) -> Node:
+        return self._binary("sub", other, swap=True)
+
+    def __mul__(self, other: Any) -> Node:
+        return self._binary("mul", other)
+
+    def __rmul__(self, other: Any) -> Node:
+        return self._binary("mul", other, swap=True)
+
+    def __truediv__(self, other: Any) -> Node:
+        return self._binary("div", other)
+
+    def __rtruediv__(self, other: Any) -> Node:
+        return self._binary("div", other, swap=True)
+
+    def __neg__(self) -> Node:
+        return self.graph.apply("neg", self)
+
+    def __lt__(self, other: Any) -> Node:
+        return self._binary("lt", other)
+
+    def __gt__(self, other: Any) -> Node:
+        return self._binary("gt", other)
+
+    def __le__(self, other: Any) -> Node:
+        return self._binary("le", other)
+
+    def __ge__(self, other: Any) -> Node:
+        return self._binary("ge", other)
+
+    def __bool__(self) -> bool:
+        raise TypeError("a traced body cannot branch on an element's value: use o.where")
+
+
+_COMPARISONS = frozenset({"lt", "gt", "le", "ge"})
+
+
+class Graph:
+    """The nodes of a traced program, in order of creation (every node's arguments come before it)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.inputs: list[Node] = []
+        self.scalars: list[str] = []
+        self._scalar_nodes: dict[str, Node] = {}
+
+    def input(self, name: str) -> Node:
+        node = Node(self, "input", value=name)
+        self.inputs.append(node)
+        return node
+
+    def scalar(self, name: str) -> Node:
+        if name not in self._scalar_nodes:
+            self.scalars.append(name)
+            self._scalar_nodes[name] = Node(self, "scalar", value=len(self.scalars) - 1, elementwise=False)
+        return self._scalar_nodes[name]
+
+    def lift(self, value: Any) -> Node:
+        if isinstance(value, Node):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"a traced body met a {type(value).__name__}; expected numbers and its own values")
+        return Node(self, "const", value=float(value), elementwise=False)
+
+    def apply(self, op: str, *args: Any) -> Node:
+        nodes = tuple(self.lift(a) for a in args)
+        if not any(n.elementwise for n in nodes):
+            raise TypeError(
+                f"{op} of scalars only in a traced body: compute it in the prologue, once per step in double precision"
+            )
+        return Node(self, op, nodes)
+
+
+class TraceOps:
+    """The body's operations on traced nodes."""
+
+    def __init__(self, graph: Graph) -> None:
+        self._graph = graph
+
+    def sqrt(self, x: Node) -> Node:
+        return self._graph.apply("sqrt", x)
+
+    def abs(self, x: Node) -> Node:
+        return self._graph.apply("abs", x)
+
+    def sign(self, x: Node) -> Node:
+        return self._graph.apply("sign", x)
+
+    def maximum(self, a: Any, b: Any) -> Node:
+        return self._graph.apply("maximum", a, b)
+
+    def minimum(self, a: Any, b: Any) -> Node:
+        return self._graph.apply("minimum", a, b)
+
+    def where(self, condition: Node, a: Any, b: Any) -> Node:
+        return self._graph.apply("where", condition, a, b)
+
+    def clamp(self, x: Node, low: Any, high: Any) -> Node:
+        return self._graph.apply("clamp", x, low, high)
+
+    def cast(self, x: Node, like: Node) -> Node:
+        return x  # a traced segment has one dtype
+
+    def lerp(self, start: Node, end: Node, weight: Any) -> Node:
+        return self._graph.apply("lerp", start, end, weight)
+
+    def addcmul(self, c: Node, a: Node, b: Node, value: Any) -> Node:
+        return self._graph.apply("addcmul", c, a, b, value)
+
+    def add_scaled(self, a: Node, b: Node, alpha: Any) -> Node:
+        return self._graph.apply("add_scaled", a, b, alpha)
+
+
+class Traced(NamedTuple):
+    """A segment of a program traced into one graph: what a kernel reads and writes per element."""
+
+    graph: Graph
+    reads_params: bool
+    slot_counts: tuple[int, ...]  # slots of each stage, in order
+    outputs: tuple[Node, ...]  # new slots of every stage in order, then the update (or the new param, applying)
+    applies: bool  # the last output is p + u, the new param
+
+
+def trace(decls: Sequence[Elementwise], applies: bool) -> Traced:
+    """Traces consecutive declarations into one graph. Inputs, in order: ``u``, then ``p`` if any stage reads the
+    params or the result is applied, then each stage's slots. Scalars are named ``<stage>.<name>``."""
+    graph = Graph()
+    ops = TraceOps(graph)
+    u = graph.input("u")
+    reads_params = applies or any(d.uses_params for d in decls)
+    p = graph.input("p") if reads_params else None
+    slot_inputs = [[graph.input(f"{i}.{slot.name}") for slot in d.slots] for i, d in enumerate(decls)]
+    outputs: list[Node] = []
+    for i, decl in enumerate(decls):
+        names = _scalar_names(decl)
+        s = _Namespace({name: graph.scalar(f"{i}.{name}") for name in names})
+        result = decl.body(ops, s, u, p if decl.uses_params else None, *slot_inputs[i])
+        u = graph.lift(result[0])
+        outputs.extend(graph.lift(r) for r in result[1:])
+    outputs.append(graph.apply("add", p, u) if applies else u)
+    return Traced(graph, reads_params, tuple(len(d.slots) for d in decls), tuple(outputs), applies)
+
+
+def _scalar_names(decl: Elementwise) -> list[str]:
+    """The names of ``decl``'s scalars, found by running its prologue on a first step (the names never depend on
+    the count) and its reduction on no leaves."""
+    names = list(decl.prologue(zero_count() if decl.counted else None))
+    if decl.reduce is not None:
+        names += list(decl.reduce([]))
+    return names
+
+
+def scalar_values(decls: Sequence[Elementwise], per_stage: Sequence[Scalars], graph: Graph) -> list[float]:
+    """The values of a traced graph's scalars, in the graph's order, as doubles (a kernel casts them once)."""
+    values = []
+    for name in graph.scalars:
+        stage, _, key = name.partition(".")
+        value = per_stage[int(stage)][key]
+        values.append(float(value))
+    return values
