@@ -1,0 +1,341 @@
+"""The generated CPU kernel (``fadam._cpu_kernel``) against the eager path (``tx.update`` then ``apply_updates``).
+
+The contract: bit for bit equal results, params and every state leaf, float32 and float64, donated or not. The
+programs are chains of declared transforms (or ``fadam.lion``), not the aliases that ``fadam.step`` hands to torch's
+own fused kernels, so that the step runs the generated kernel.
+"""
+
+import optree
+import pytest
+import torch
+
+import fadam
+from fadam import _cpu_kernel
+from fadam._execute import explain
+
+KERNEL = "generated CPU kernel"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Kernels compile into one temporary folder, not the home directory; two threads, so that the large leaf's
+    chunks are spread over OpenMP threads as on a real machine (conftest sets one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FADAM_CACHE_DIR", str(tmp_path_factory.mktemp("fadam-cache")))
+        _cpu_kernel._load_source.cache_clear()
+        yield
+    _cpu_kernel._load_source.cache_clear()
+    torch.set_num_threads(threads)
+
+
+def _params(dtype=torch.float32):
+    """A leaf above the kernel's threading threshold (odd: chunk and vector tails), a small matrix, a complex leaf."""
+    gen = torch.Generator().manual_seed(0)
+    complex_dtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+    return {
+        "big": torch.randn(70_001, generator=gen, dtype=dtype),
+        "matrix": torch.randn(3, 5, generator=gen, dtype=dtype),
+        "complex": torch.randn(17, generator=gen, dtype=complex_dtype),
+    }
+
+
+def _grads(params, seed):
+    """Magnitudes from 1e-6 to 1e3, with zeros and negative zeros at places that move with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def leaf(p):
+        real = torch.view_as_real(p) if p.is_complex() else p
+        g = torch.randn(real.shape, generator=gen, dtype=real.dtype)
+        g = g * 10.0 ** torch.randint(-6, 4, real.shape, generator=gen).to(real.dtype)
+        g.view(-1)[seed % 7 :: 7] = 0.0
+        g.view(-1)[seed % 5 :: 11] = -0.0
+        return torch.view_as_complex(g) if p.is_complex() else g
+
+    return optree.tree_map(leaf, params)
+
+
+def _eager_step(tx, params, grads, state):
+    with fadam.backend("eager"):
+        updates, state = tx.update(grads, state, params)
+    return fadam.apply_updates(params, updates), state
+
+
+def _clone(tree):
+    return optree.tree_map(torch.clone, tree)
+
+
+_INTEGERS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+
+
+def _bits(t, equal_nan):
+    """``t``'s bit patterns (complex as pairs of reals); with ``equal_nan`` every NaN is one NaN (its sign and
+    payload are no value)."""
+    t = torch.view_as_real(t.detach()) if t.is_complex() else t.detach()
+    if t.dtype not in _INTEGERS:
+        return t  # a step count
+    if equal_nan:
+        t = torch.where(t.isnan(), float("nan"), t)
+    return t.view(_INTEGERS[t.dtype])
+
+
+def _mismatches(kernel, eager, equal_nan=False):
+    """The paths of the leaves whose dtypes or bits differ (so a zero's sign counts)."""
+    assert optree.tree_structure(kernel) == optree.tree_structure(eager)
+    return [
+        path
+        for path, a, b in zip(optree.tree_paths(kernel), optree.tree_leaves(kernel), optree.tree_leaves(eager))
+        if a.dtype != b.dtype or not torch.equal(_bits(a, equal_nan), _bits(b, equal_nan))
+    ]
+
+
+def _double():
+    """An opaque user transform (no declaration): it splits a program into segments."""
+    return fadam.GradientTransformation(
+        lambda params: fadam.EmptyState(), lambda u, s, p=None: (optree.tree_map(lambda g: 2 * g, u), s)
+    )
+
+
+_schedule = fadam.schedules.cosine_decay_schedule(1e-2, decay_steps=4)
+_lr = fadam.scale_by_learning_rate
+
+PROGRAMS = {
+    "adam": lambda: fadam.chain(fadam.scale_by_adam(), _lr(1e-2)),
+    "adam-amsgrad": lambda: fadam.chain(fadam.scale_by_adam(amsgrad=True), _lr(1e-2)),
+    "adam-nesterov": lambda: fadam.chain(fadam.scale_by_adam(nesterov=True), _lr(1e-2)),
+    "adam-eps_root": lambda: fadam.chain(fadam.scale_by_adam(eps_root=1e-8), _lr(1e-2)),
+    "adam-tensor-hyperparams": lambda: fadam.chain(
+        fadam.scale_by_adam(torch.tensor(0.8), torch.tensor(0.99), torch.tensor(1e-6)), _lr(torch.tensor(1e-2))
+    ),
+    "adamw": lambda: fadam.chain(fadam.scale_by_adam(), fadam.add_decayed_weights(0.1), _lr(1e-2)),
+    "lion": lambda: fadam.chain(fadam.scale_by_lion(), _lr(1e-3)),
+    "lion-alias": lambda: fadam.lion(lr=1e-3, weight_decay=0.1),
+    "momentum": lambda: fadam.chain(fadam.trace(0.9), _lr(1e-2)),
+    "momentum-nesterov": lambda: fadam.chain(fadam.trace(0.9, nesterov=True), _lr(1e-2)),
+    "momentum-dampening": lambda: fadam.chain(fadam.trace(0.9, dampening=0.3), _lr(1e-2)),
+    "decay-masked": lambda: fadam.chain(
+        fadam.scale_by_adam(),
+        fadam.add_decayed_weights(0.1, mask={"big": True, "matrix": False, "complex": True}),
+        _lr(1e-2),
+    ),
+    "decay-schedule": lambda: fadam.chain(fadam.add_decayed_weights(lambda count: 0.1 / (count + 1)), _lr(1e-2)),
+    "decoupled-decay": lambda: fadam.chain(
+        fadam.scale_by_adam(), _lr(1e-2), fadam.add_decoupled_weight_decay(1e-2, 0.1)
+    ),
+    "decoupled-decay-schedule": lambda: fadam.chain(
+        fadam.scale_by_adam(), _lr(_schedule), fadam.add_decoupled_weight_decay(_schedule, 0.1)
+    ),
+    "scale": lambda: fadam.scale(-1e-3),
+    "lr-schedule": lambda: fadam.chain(fadam.trace(0.5), _lr(_schedule)),
+    "scale_by_schedule": lambda: fadam.scale_by_schedule(lambda count: -1e-3 * (count + 1)),
+    "clip": lambda: fadam.chain(fadam.clip(0.5), _lr(1e-2)),
+    "clip_by_global_norm": lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.trace(0.9), _lr(1e-1)),
+    "adam-then-global-norm": lambda: fadam.chain(fadam.scale_by_adam(), fadam.clip_by_global_norm(10.0), _lr(1e-2)),
+    "clip-adamw": lambda: fadam.chain(
+        fadam.clip(1.0), fadam.scale_by_adam(), fadam.add_decayed_weights(0.01), _lr(1e-2)
+    ),
+    "optax-clip-adamw-schedule": lambda: fadam.chain(
+        fadam.clip_by_global_norm(1.0), fadam.scale_by_adam(), fadam.add_decayed_weights(1e-4), _lr(_schedule)
+    ),
+    "opaque-in-the-middle": lambda: fadam.chain(fadam.scale_by_adam(), _double(), _lr(1e-2)),
+}
+
+
+@pytest.fixture
+def kernel_runs(monkeypatch):
+    """The number of leaves of each call of a compiled kernel."""
+    runs = []
+    run = _cpu_kernel.Kernel.run
+
+    def counted(self, leaves, scalars):
+        runs.append(len(leaves))
+        return run(self, leaves, scalars)
+
+    monkeypatch.setattr(_cpu_kernel.Kernel, "run", counted)
+    return runs
+
+
+def _side_by_side(tx, params, steps, donate):
+    """Both paths' trajectories from the same start, asserted equal after every step (so every step starts from
+    equal inputs)."""
+    eager = (params, tx.init(params))
+    kernel = _clone(eager)
+    for step in range(steps):
+        grads = _grads(eager[0], seed=step)
+        eager = _eager_step(tx, eager[0], grads, eager[1])
+        kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=donate)
+        assert _mismatches(kernel, eager) == [], f"step {step}"
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_five_steps_equal_the_eager_path_bit_for_bit(name, donate, kernel_runs):
+    tx = PROGRAMS[name]()
+    kernel_leaves = sum(line.count("['") for line in explain(tx, _params()).splitlines() if KERNEL in line)
+    assert kernel_leaves >= 3
+    _side_by_side(tx, _params(), steps=5, donate=donate)
+    assert sum(kernel_runs) == 5 * kernel_leaves  # the step ran the kernel where explain says it does
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("name", ["adamw", "adam-amsgrad", "lion-alias", "momentum-nesterov", "clip-adamw"])
+def test_float64_steps_equal_the_eager_path_bit_for_bit(name, donate, kernel_runs):
+    _side_by_side(PROGRAMS[name](), _params(torch.float64), steps=3, donate=donate)
+    assert kernel_runs == [3] * 3
+
+
+def test_explain_shows_segments_split_by_a_reduction_and_by_an_opaque_transform():
+    params = _params()
+    after_adam = explain(PROGRAMS["adam-then-global-norm"](), params).splitlines()
+    assert [line.split(":")[0] for line in after_adam] == [
+        "scale_by_adam",
+        "clip_by_global_norm -> scale_by_learning_rate",
+    ]
+    assert all(KERNEL in line for line in after_adam)
+    opaque = explain(PROGRAMS["opaque-in-the-middle"](), params).splitlines()
+    assert len(opaque) == 3
+    assert KERNEL in opaque[0] and "eager (an opaque transform)" in opaque[1] and KERNEL in opaque[2]
+
+
+def _mixed():
+    """Leaves that take the kernel ("big") and leaves that cannot, each for its own reason."""
+    gen = torch.Generator().manual_seed(1)
+    params = {
+        "big": torch.randn(70_001, generator=gen),
+        "transposed": torch.randn(4, 3, generator=gen).t(),
+        "bfloat16": torch.randn(5, generator=gen).to(torch.bfloat16),
+        "no_grad": torch.randn(6, generator=gen),
+        "tracked": torch.randn(3, generator=gen).requires_grad_(),
+    }
+    grads = {k: torch.randn(p.shape, generator=gen).to(p.dtype) for k, p in params.items()}
+    grads["transposed"] = grads["transposed"].t().contiguous().t()  # as strided as its param
+    return params, {**grads, "no_grad": None}
+
+
+def test_explain_gives_each_eager_leaf_its_reason():
+    params, grads = _mixed()
+    program = "scale_by_adam -> add_decayed_weights -> scale_by_learning_rate"
+    assert set(explain(PROGRAMS["adamw"](), params, grads).splitlines()) == {
+        f"{program}: {KERNEL}: ['big']",
+        f"{program}: eager: not contiguous: ['transposed']",
+        f"{program}: eager: torch.bfloat16 (the kernel takes float32 and float64): ['bfloat16']",
+        f"{program}: eager: no gradient: ['no_grad']",
+        f"{program}: eager: autograd or torch.func records it: ['tracked']",
+    }
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_a_mixed_tree_equals_the_eager_path_bit_for_bit(donate, kernel_runs):
+    tx = PROGRAMS["adamw"]()
+    params, grads = _mixed()
+    eager = (params, tx.init(params))
+    kernel = _clone(eager)
+    for step in range(3):
+        eager = _eager_step(tx, eager[0], grads, eager[1])
+        kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=donate)
+        assert _mismatches(kernel, eager) == [], f"step {step}"
+    assert kernel_runs == [1] * 3  # "big" only
+
+
+def test_a_donated_step_writes_the_given_buffers():
+    tx = PROGRAMS["adamw"]()
+    params = _params()
+    state = tx.init(params)
+    new_params, new_state = fadam.step(tx, params, _grads(params, seed=0), state, donate=True)
+    assert all(new is old for new, old in zip(optree.tree_leaves(new_params), optree.tree_leaves(params)))
+    for moment in ("mu", "nu"):
+        pairs = zip(optree.tree_leaves(getattr(new_state[0], moment)), optree.tree_leaves(getattr(state[0], moment)))
+        assert all(new is old for new, old in pairs)
+
+
+def test_a_kept_step_modifies_nothing_it_is_given():
+    tx = PROGRAMS["adamw"]()
+    params = _params()
+    grads = _grads(params, seed=0)
+    state = fadam.step(tx, params, grads, tx.init(params))[1]  # moments that are not zeros
+    before = _clone((params, grads, state))
+    new_params, _ = fadam.step(tx, params, grads, state)
+    assert _mismatches((params, grads, state), before) == []
+    assert not any(new is old for new, old in zip(optree.tree_leaves(new_params), optree.tree_leaves(params)))
+
+
+def test_kernels_are_kept_in_fadam_cache_dir_and_loaded_from_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FADAM_CACHE_DIR", str(tmp_path))
+    tx = fadam.chain(fadam.scale_by_lion(b1=0.8), _lr(1e-3))
+    params = _params()
+    _cpu_kernel._load_source.cache_clear()
+    params, state = fadam.step(tx, params, _grads(params, seed=0), tx.init(params))
+    (library,) = (tmp_path / "kernels").glob("*.so")
+    built = library.stat().st_mtime_ns
+
+    def compile_again(*args):
+        raise AssertionError("compiled a kernel that is on disk")
+
+    monkeypatch.setattr(_cpu_kernel, "_compile", compile_again)
+    _cpu_kernel._load_source.cache_clear()
+    grads = _grads(params, seed=1)
+    kernel = fadam.step(tx, _clone(params), grads, _clone(state))
+    assert _mismatches(kernel, _eager_step(tx, params, grads, state)) == []
+    assert library.stat().st_mtime_ns == built
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    monkeypatch.setattr(_cpu_kernel, "_compiler", lambda: None)
+    _cpu_kernel._load_source.cache_clear()
+    _cpu_kernel._warn_once.cache_clear()
+    yield
+    _cpu_kernel._load_source.cache_clear()  # it holds None for the sources loaded here
+    _cpu_kernel._warn_once.cache_clear()
+
+
+@pytest.mark.usefixtures("no_compiler")
+def test_without_a_compiler_a_step_warns_once_and_equals_the_eager_path():
+    tx = PROGRAMS["adamw"]()
+    eager = (_params(), tx.init(_params()))
+    kernel = _clone(eager)
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler") as caught:
+        for step in range(2):
+            grads = _grads(eager[0], seed=step)
+            eager = _eager_step(tx, eager[0], grads, eager[1])
+            kernel = fadam.step(tx, kernel[0], grads, kernel[1])
+    assert len(caught) == 1
+    assert _mismatches(kernel, eager) == []
+
+
+EDGES = [float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-40, -1e-300, -1e30]  # and subnormals
+
+
+def _edge_grads(params):
+    """Ordinary gradients with each edge value at places spread over vector lanes and the chunk tails."""
+    grads = _grads(params, seed=3)
+    for g in optree.tree_leaves(grads):
+        flat = (torch.view_as_real(g) if g.is_complex() else g).view(-1)
+        for k, value in enumerate(EDGES):
+            flat[k :: len(EDGES) + 2] = value
+    return grads
+
+
+@pytest.mark.parametrize("name", ["adam", "adam-amsgrad", "lion", "momentum-nesterov", "momentum-dampening", "clip"])
+def test_inf_nan_and_signed_zeros_in_one_step_equal_the_eager_path(name, kernel_runs):
+    tx = PROGRAMS[name]()
+    params = {key: leaf for key, leaf in _params().items() if key != "complex"}  # complex: the test below
+    start = _eager_step(tx, params, _grads(params, seed=0), tx.init(params))  # moments that are not zeros
+    grads = _edge_grads(params)
+    eager = _eager_step(tx, start[0], grads, start[1])
+    params, state = _clone(start)
+    kernel = fadam.step(tx, params, grads, state)
+    assert kernel_runs == [2]
+    assert _mismatches(kernel, eager, equal_nan=True) == []
+    assert any(t.isnan().any() for t in optree.tree_leaves(eager))  # the NaN-aware comparison met NaN
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -0.0], ids=["inf", "nan", "negative-zero"])
+def test_a_complex_leaf_adds_its_update_as_the_eager_path_does(value):
+    tx = fadam.scale(1.0)
+    params = {"complex": torch.tensor([complex(-0.0, 2.0)] * 3)}
+    grads = {"complex": torch.tensor([complex(value, -1.0)] * 3)}
+    eager = _eager_step(tx, params, grads, tx.init(params))
+    kernel = fadam.step(tx, _clone(params), grads, tx.init(params))
+    assert _mismatches(kernel, eager, equal_nan=True) == []
