@@ -320,8 +320,8 @@ class Kernel:
         )
 
 
-@functools.lru_cache(maxsize=512)
-def _load_source(text: str, inputs: int, outputs: int, dtype: torch.dtype) -> Kernel | None:
+def _library(text: str) -> ctypes.CDLL | None:
+    """The shared library compiled from ``text`` (from the disk cache where it is there), or ``None``."""
     compiler = _compiler()
     if compiler is None:
         _warn_once("no C++ compiler found (set CXX)")
@@ -335,7 +335,13 @@ def _load_source(text: str, inputs: int, outputs: int, dtype: torch.dtype) -> Ke
         except (OSError, subprocess.SubprocessError) as err:
             _warn_once(f"compiling a kernel failed ({err})")
             return None
-    return Kernel(ctypes.CDLL(str(library_path)), inputs, outputs, dtype)
+    return ctypes.CDLL(str(library_path))
+
+
+@functools.lru_cache(maxsize=512)
+def _load_source(text: str, inputs: int, outputs: int, dtype: torch.dtype) -> Kernel | None:
+    library = _library(text)
+    return None if library is None else Kernel(library, inputs, outputs, dtype)
 
 
 def _compile(compiler: str, text: str, folder: Path, target: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
 
 from fadam._base import add_update
 from fadam._cpu_kernel import KERNEL_DTYPES, load
@@ -101,12 +102,40 @@ def _real(x: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x) if x.is_complex() else x
 
 
-def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], grad_enabled: bool) -> str | None:
-    """Why a leaf cannot take the generated kernel, or ``None`` if it can."""
+_KERNEL_PARAM_DTYPES = frozenset({*KERNEL_DTYPES, torch.complex64, torch.complex128})
+
+
+def ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], grad_enabled: bool) -> bool:
+    """Whether a leaf can take the generated kernel (``refusal`` says why not): the per-leaf check of every step,
+    kept to one expression per tensor. The caller checks that torch.compile is not tracing."""
     if u is None:
-        return "no gradient"
+        return False
+    dtype = p.dtype
+    if dtype not in _KERNEL_PARAM_DTYPES or (p.dim() == 0 and dtype != torch.float64):
+        return False
+    wrapped, strided = _functorch_wrapped, torch.strided
+    for tensor in (p, u, *slots):
+        if (
+            type(tensor) not in PLAIN_TYPES
+            or tensor.dtype != dtype
+            or not tensor.is_cpu
+            or tensor.layout != strided
+            or (grad_enabled and tensor.requires_grad)
+            or not tensor.is_contiguous()
+            or wrapped(tensor)
+        ):
+            return False
+    return True
+
+
+def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], grad_enabled: bool) -> str | None:
+    """Why a leaf cannot take the generated kernel, or ``None`` if it can (``ready``)."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
+    if ready(p, u, slots, grad_enabled):
+        return None
+    if u is None:
+        return "no gradient"
     for tensor in (p, u, *slots):
         if type(tensor) not in PLAIN_TYPES:
             return f"a {type(tensor).__name__}, not a plain tensor"
@@ -123,9 +152,7 @@ def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], 
         return "a 0-d leaf, which computes with float64 scalars"
     if dtype not in KERNEL_DTYPES:
         return f"{p.dtype} (the kernel takes float32 and float64)"
-    if any(t.dtype != p.dtype for t in (u, *slots)):
-        return "its gradient or state has another dtype than the param"
-    return None
+    return "its gradient or state has another dtype than the param"
 
 
 def _graph_scalar(value: Any, grad_enabled: bool) -> bool:
@@ -141,6 +168,7 @@ class _StageLeaves(NamedTuple):
     selected: list[bool]
     slots: list[list[torch.Tensor]]  # per slot, one leaf per selected param leaf
     position: list[int | None]  # per param leaf, its index in the slot lists
+    spec: Any  # the slots' tree structure
 
 
 def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> dict[tuple, _StageLeaves] | None:
@@ -159,13 +187,15 @@ def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> di
         if any(optree.tree_structure(tree, none_is_leaf=True) != like for tree in trees):
             return None
         positions: list[int | None] = []
+        count = 0
         for flag in selected:
-            positions.append(sum(1 for p in positions if p is not None) if flag else None)
+            positions.append(count if flag else None)
+            count += flag
         slots = [like.flatten_up_to(tree) for tree in trees]
         references = [leaf for leaf, keep in zip(optree.tree_leaves(params, none_is_leaf=True), selected) if keep]
         if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
             return None
-        found[stage.path] = _StageLeaves(selected, slots, positions)
+        found[stage.path] = _StageLeaves(selected, slots, positions, like)
     return found
 
 
@@ -286,10 +316,12 @@ def _slots_of(part: Segment, leaves: dict[tuple, _StageLeaves], i: int) -> list[
 
 
 def _any_kernel_leaf(program: Program, params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves]) -> bool:
+    if torch.compiler.is_compiling():  # ctypes calls cannot be traced
+        return False
     grad_enabled = torch.is_grad_enabled()
     first = next((part for part in segments(program) if not part.opaque), None)
     return first is not None and any(
-        refusal(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled) is None
+        ready(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled)
         for i, (p, g) in enumerate(zip(params, grads))
     )
 
@@ -320,20 +352,17 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
             else [
                 i
                 for i in members
-                if step.params[i] is not None
-                and refusal(step.params[i], step.updates[i], _slots_of(part, step.leaves, i), grad_enabled) is None
+                if ready(_reference(step, i), step.updates[i], _slots_of(part, step.leaves, i), grad_enabled)
             ]
         )
         if kernel:
             _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate)
-        eager = [i for i in members if i not in set(kernel)]
+        taken = set(kernel)
+        eager = [i for i in members if i not in taken]
         if eager and chosen:
             _run_eager(part, chosen, scalars, eager, step, new_slots)
-    for stage, stage_state, slots in zip(part.stages, stage_states, new_slots):
-        trees = [
-            optree.tree_structure(getattr(stage_state, slot.name), none_is_leaf=True).unflatten(leaves)
-            for slot, leaves in zip(stage.decl.slots, slots)
-        ]
+    for stage, stage_state, entry, slots in zip(part.stages, stage_states, entries, new_slots):
+        trees = [entry.spec.unflatten(leaves) for leaves in slots]
         state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees))
     return state
 
@@ -387,8 +416,8 @@ def _run_kernel(
             slot_in = [slot[w] for k, w in where for slot in new_slots[k]]
             slot_out = slot_in if donate else [torch.empty_like(t) for t in slot_in]
             final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
-            inputs = [u, *([p] if traced.reads_params else []), *slot_in]
-            rows.append([_real(t) for t in (*inputs, *slot_out, final)])
+            row = [u, *([p] if traced.reads_params else []), *slot_in, *slot_out, final]
+            rows.append([_real(t) for t in row] if u.is_complex() else row)
             written.append((where, slot_out, final))
         kernel.run(rows, values)
         for i, (where, slot_out, final) in zip(group, written):

@@ -6,12 +6,16 @@ optimizer kernels above all) can take milliseconds per call when OpenMP threads 
 
 The quantized Adam aliases' torch.compile kernels run eagerly except in tests marked slow: compiling costs tens of
 seconds on a busy 2-core machine; the same functions run eagerly. Their C++ CPU kernel (float32 and bfloat16 params)
-runs everywhere: it builds in seconds, once per machine.
+runs everywhere: it builds in seconds, once per machine. Kernels generated for composed chains are cached in a
+folder under the system's temporary directory that every worker shares.
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# generated kernels go to one folder that every worker of a run shares (and later runs reuse), not the home directory
+os.environ.setdefault("FADAM_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"fadam-test-kernels-{os.getuid()}"))
 
 import pytest
 import torch  # after OMP_NUM_THREADS, which torch reads when it loads

@@ -215,10 +215,17 @@ def test_vmap_equals_separate_runs(row):
         assert err <= 1e-12, f"member {i}: {err:.2e} at {where}"
 
 
+@pytest.mark.parametrize("backend", fadam._execute.BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("row", TORCH_ROWS, ids=str)
-def test_parity_with_torch_reference(row, dtype):
-    """50 steps of ``row`` against ``row.torch_cls(**row.kwargs)`` (for-loop implementation), every step."""
+def test_parity_with_torch_reference(row, dtype, backend):
+    """50 steps of ``row`` against ``row.torch_cls(**row.kwargs)`` (for-loop implementation), every step, on each
+    backend."""
+    with fadam.backend(backend):
+        _parity_with_torch_reference(row, dtype)
+
+
+def _parity_with_torch_reference(row: Row, dtype: torch.dtype) -> None:
     params = _tree(dtype, row.complex_params)
     grads = _grads(params, 50)
     ref = fadam.tree_map(torch.clone, params)
@@ -239,6 +246,32 @@ def test_parity_with_torch_reference(row, dtype):
         for mode, (p, _) in runs.items():
             err, where = max_rel_err(p, ref)
             assert err <= tol, f"{mode}, step {index}: relative error {err:.2e} at {where}"
+
+
+@pytest.mark.parametrize("mode", ["update", "donate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("row", ALL_ROWS, ids=str)
+def test_generated_kernel_gives_the_eager_numbers_bit_for_bit(row, dtype, mode):
+    """10 steps on the generated kernel (where the leaves allow it; never torch's fused kernels) equal the eager
+    backend's bit for bit, params and state (a paged row's params: its state is a handle)."""
+    params = _tree(dtype, row.complex_params)
+    params["big"] = torch.randn(70_001, generator=torch.Generator().manual_seed(2), dtype=dtype)  # threads, tails
+    grads = _grads(params, 10)
+    results = {}
+    for backend in ("eager", "kernel"):
+        with fadam.backend(backend):
+            final, state, _ = _run(row, fadam.tree_map(torch.clone, params), grads, mode)
+        results[backend] = [final, state] if row.value_state else [final]
+    for (path, a), (_, b) in zip(tensor_leaves(results["kernel"]), tensor_leaves(results["eager"]), strict=True):
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), f"{path} differs"
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s bit patterns (values and signs of zeros compared exactly; NaNs with their payloads)."""
+    x = torch.view_as_real(x) if x.is_complex() else x
+    if not x.is_floating_point():
+        return x
+    return x.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
 @pytest.mark.parametrize("mode", ["update", "donate"])
