@@ -146,6 +146,8 @@ def source(traced: Traced, dtype: torch.dtype) -> str:
             name = names[index] = f"v{index}"
             if node.op == "scalar":
                 names[index] = f"s{node.value}"
+            elif node.op == "leaf_scalar":
+                names[index] = f"l{node.value}"
             elif node.op == "const":
                 names[index] = _literal(node.value)
             elif node.op == "input" and (current in uses.get(index, ()) or index in output_of):
@@ -181,13 +183,15 @@ def source(traced: Traced, dtype: torch.dtype) -> str:
     scratch = [f"{'bool' if n.boolean else 'T'} b{n.index}[{_BLOCK}];" for n in buffered]
     scratch += [f"T a{r.index}[{_BLOCK}], r{r.index}[{_BLOCK}];" for r in roots]
     scalars = [f"const T s{k} = T(scalars[{k}]);" for k in range(len(graph.scalars))]
+    per_leaf = len(graph.leaf_scalars)
+    leaf_loads = [f"const T l{k} = T(leaf_scalars[leaf * {per_leaf} + {k}]);" for k in range(per_leaf)]
     newline = "\n  "
     return f"""#define FADAM_ATEN_FMA {int(_aten_fma())}
 {_PRELUDE}
 typedef {_CTYPES[dtype]} T;
 
 extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* pointers, const double* scalars,
-                             int64_t threads, SqrtRows sqrt_rows, MklThreads mkl_threads) {{
+                             const double* leaf_scalars, int64_t threads, SqrtRows sqrt_rows, MklThreads mkl_threads) {{
   {newline.join(scalars)}
   std::vector<int64_t> first(leaves + 1, 0);  // the first chunk of each leaf
   for (int64_t leaf = 0; leaf < leaves; ++leaf) first[leaf + 1] = first[leaf] + (sizes[leaf] + {_CHUNK} - 1) / {_CHUNK};
@@ -201,7 +205,7 @@ extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* 
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {{
       const int64_t leaf = std::upper_bound(first.begin(), first.end(), chunk) - first.begin() - 1;
       void* const* pointer = pointers + leaf * {n_in + n_out};
-      {(newline + "    ").join(loads)}
+      {(newline + "    ").join(loads + leaf_loads)}
       const int64_t begin = (chunk - first[leaf]) * {_CHUNK};
       const int64_t end = std::min(begin + {_CHUNK}, sizes[leaf]);
       for (int64_t start = begin; start < end; start += {_BLOCK if passes > 1 else _CHUNK}) {{
@@ -294,7 +298,7 @@ class Kernel:
 
     def __init__(self, library: ctypes.CDLL, inputs: int, outputs: int, dtype: torch.dtype) -> None:
         self._function = library.fadam_run
-        self._function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 2]
+        self._function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_void_p] * 2]
         self._function.restype = ctypes.c_int64
         self._library = library  # keeps the library loaded while the function is referenced
         self.inputs, self.outputs = inputs, outputs
@@ -302,11 +306,13 @@ class Kernel:
         self._sqrt_rows = single if dtype == torch.float32 else double
         self._mkl_threads = threads
 
-    def run(self, leaves: list[list[torch.Tensor]], scalars: list[float]) -> None:
-        """Runs on ``leaves`` (per leaf: the inputs, then the outputs, all contiguous, of the kernel's dtype)."""
+    def run(self, leaves: list[list[torch.Tensor]], scalars: list[float], leaf_scalars: list[float]) -> None:
+        """Runs on ``leaves`` (per leaf: the inputs, then the outputs, all contiguous, of the kernel's dtype), with
+        ``leaf_scalars`` holding each leaf's own scalars in turn."""
         sizes = array.array("q", [row[0].numel() for row in leaves])
         pointers = array.array("Q", [t.data_ptr() for row in leaves for t in row])
         values = array.array("d", scalars or [0.0])
+        leaf_values = array.array("d", leaf_scalars or [0.0])
         total = sum(sizes)
         threads = 1 if total < _SERIAL_BELOW else torch.get_num_threads()
         self._function(
@@ -314,6 +320,7 @@ class Kernel:
             sizes.buffer_info()[0],
             pointers.buffer_info()[0],
             values.buffer_info()[0],
+            leaf_values.buffer_info()[0],
             threads,
             self._sqrt_rows or None,
             self._mkl_threads or None,

@@ -85,7 +85,7 @@ def segments(program: Program) -> list[Segment]:
     found: list[Segment] = []
     current: list[Stage] = []
     for stage in program.stages:
-        if stage.decl is None or (stage.decl.reduce is not None and current):
+        if stage.decl is None or (stage.decl.reduces and current):
             if current:
                 found.append(Segment(tuple(current)))
             current = []
@@ -401,6 +401,7 @@ def _run_kernel(
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(decls, applies)
     values = scalar_values(decls, [scalars[k] for k in chosen], traced.graph)
+    leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i in members:
         by_dtype.setdefault(_real(_reference(step, i)).dtype, []).append(i)
@@ -409,9 +410,12 @@ def _run_kernel(
         if kernel is None:
             _run_eager(part, chosen, scalars, group, step, new_slots)
             continue
-        rows, written = [], []
+        rows, written, leaf_values = [], [], []
         for i in group:
             p, u = step.params[i], step.updates[i]
+            if leaf_reducing:  # a leaf reduction runs first in its segment, on the segment's input
+                own = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
+                leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
             where = [(k, step.leaves[part.stages[k].path].position[i]) for k in chosen]
             slot_in = [slot[w] for k, w in where for slot in new_slots[k]]
             slot_out = slot_in if donate else [torch.empty_like(t) for t in slot_in]
@@ -419,7 +423,7 @@ def _run_kernel(
             row = [u, *([p] if traced.reads_params else []), *slot_in, *slot_out, final]
             rows.append([_real(t) for t in row] if u.is_complex() else row)
             written.append((where, slot_out, final))
-        kernel.run(rows, values)
+        kernel.run(rows, values, leaf_values)
         for i, (where, slot_out, final) in zip(group, written):
             outputs = iter(slot_out)
             for k, w in where:

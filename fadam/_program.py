@@ -6,7 +6,8 @@ A transform whose math is per element declares it as an ``Elementwise``:
 - a *prologue*, ``prologue(count) -> {name: scalar}``, run once per step on the steps taken so far: bias
   corrections, scheduled rates, every number the body needs that does not depend on the element;
 - optionally a *reduction*, ``reduce(updates) -> {name: scalar}``, over all of its incoming updates at once (a
-  global norm), whose scalars feed the body like the prologue's;
+  global norm), or a *leaf reduction*, ``reduce_leaf(u, p) -> {name: scalar}``, over one leaf's update and param (a
+  trust ratio), whose scalars feed the body like the prologue's;
 - a *body*, ``body(o, s, u, p, *slots) -> (u, *slots)``, the math of one element: ``u`` the incoming update, ``p``
   the param (``None`` unless ``uses_params``), ``s`` the scalars by name, ``o`` the operations beyond Python's
   operators (``o.sqrt``, ``o.sign``, ``o.maximum``, ``o.where``, ``o.cast`` ...).
@@ -58,6 +59,12 @@ class Elementwise(NamedTuple):
     body: Callable[..., tuple]
     uses_params: bool = False
     reduce: Callable[[list[torch.Tensor | None]], Scalars] | None = None
+    reduce_leaf: Callable[[torch.Tensor, torch.Tensor | None], Scalars] | None = None
+
+    @property
+    def reduces(self) -> bool:
+        """Whether the body needs its input updates whole before it runs (a reduction over them)."""
+        return self.reduce is not None or self.reduce_leaf is not None
 
     def init(self, params: PyTree) -> Any:
         if not self.counted and not self.slots:
@@ -231,6 +238,9 @@ def eager_stage(
             continue
         real = _as_real(u)
         s = _leaf_scalars(scalars, real, cache)
+        if decl.reduce_leaf is not None:  # this leaf's own scalars besides the step's
+            own = _leaf_scalars(decl.reduce_leaf(u, params[index]), real, {})
+            s = _Namespace({**s.__dict__, **own.__dict__})
         result = decl.body(EAGER, s, real, _as_real(params[index]), *[_as_real(leaf) for leaf in leaves])
         out_u = result[0]
         if u.is_complex():
@@ -429,6 +439,7 @@ class Graph:
         self.nodes: list[Node] = []
         self.inputs: list[Node] = []
         self.scalars: list[str] = []
+        self.leaf_scalars: list[str] = []
         self._scalar_nodes: dict[str, Node] = {}
 
     def input(self, name: str) -> Node:
@@ -440,6 +451,13 @@ class Graph:
         if name not in self._scalar_nodes:
             self.scalars.append(name)
             self._scalar_nodes[name] = Node(self, "scalar", value=len(self.scalars) - 1, elementwise=False)
+        return self._scalar_nodes[name]
+
+    def leaf_scalar(self, name: str) -> Node:
+        """A scalar with a value per leaf (a leaf reduction's)."""
+        if name not in self._scalar_nodes:
+            self.leaf_scalars.append(name)
+            self._scalar_nodes[name] = Node(self, "leaf_scalar", value=len(self.leaf_scalars) - 1, elementwise=False)
         return self._scalar_nodes[name]
 
     def lift(self, value: Any) -> Node:
@@ -519,8 +537,11 @@ def trace(decls: Sequence[Elementwise], applies: bool) -> Traced:
     slot_inputs = [[graph.input(f"{i}.{slot.name}") for slot in d.slots] for i, d in enumerate(decls)]
     outputs: list[Node] = []
     for i, decl in enumerate(decls):
-        names = _scalar_names(decl)
-        s = _Namespace({name: graph.scalar(f"{i}.{name}") for name in names})
+        names, leaf_names = _scalar_names(decl)
+        s = _Namespace(
+            {name: graph.scalar(f"{i}.{name}") for name in names}
+            | {name: graph.leaf_scalar(f"{i}.{name}") for name in leaf_names}
+        )
         result = decl.body(ops, s, u, p if decl.uses_params else None, *slot_inputs[i])
         u = graph.lift(result[0])
         outputs.extend(graph.lift(r) for r in result[1:])
@@ -528,13 +549,14 @@ def trace(decls: Sequence[Elementwise], applies: bool) -> Traced:
     return Traced(graph, reads_params, tuple(len(d.slots) for d in decls), tuple(outputs), applies)
 
 
-def _scalar_names(decl: Elementwise) -> list[str]:
-    """The names of ``decl``'s scalars, found by running its prologue on a first step (the names never depend on
-    the count) and its reduction on no leaves."""
+def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:
+    """The names of ``decl``'s scalars, per step and per leaf, found by running its prologue on a first step (the
+    names never depend on the count), its reduction on no leaves and its leaf reduction on a one-element leaf."""
     names = list(decl.prologue(zero_count() if decl.counted else None))
     if decl.reduce is not None:
         names += list(decl.reduce([]))
-    return names
+    leaf_names = [] if decl.reduce_leaf is None else list(decl.reduce_leaf(torch.ones(1), torch.ones(1)))
+    return names, leaf_names
 
 
 def scalar_values(decls: Sequence[Elementwise], per_stage: Sequence[Scalars], graph: Graph) -> list[float]:

@@ -139,6 +139,10 @@ PROGRAMS = {
         fadam.clip_by_global_norm(1.0), fadam.scale_by_adam(), fadam.add_decayed_weights(1e-4), _lr(_schedule)
     ),
     "opaque-in-the-middle": lambda: fadam.chain(fadam.scale_by_adam(), _double(), _lr(1e-2)),
+    "lamb": lambda: fadam.lamb(1e-2, weight_decay=0.1),  # a per-leaf trust ratio between two segments
+    "block-rms": lambda: fadam.chain(
+        fadam.clip_by_block_rms(0.5), fadam.scale_by_adam(), fadam.scale_by_param_block_rms(), _lr(1e-2)
+    ),
 }
 
 
@@ -148,9 +152,9 @@ def kernel_runs(monkeypatch):
     runs = []
     run = _cpu_kernel.Kernel.run
 
-    def counted(self, leaves, scalars):
+    def counted(self, leaves, *scalars):
         runs.append(len(leaves))
-        return run(self, leaves, scalars)
+        return run(self, leaves, *scalars)
 
     monkeypatch.setattr(_cpu_kernel.Kernel, "run", counted)
     return runs

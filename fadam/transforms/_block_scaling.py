@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fadam._base import EmptyState, GradientTransformation
-from fadam._tree import PyTree, check_leaves
+from fadam._program import Elementwise, elementwise
 from fadam.transforms._validation import check_non_negative
 
 
@@ -48,23 +48,31 @@ def scale_by_trust_ratio(
     check_non_negative("trust_coefficient", trust_coefficient)
     check_non_negative("eps", eps)
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
-        if params is None:
-            raise ValueError("scale_by_trust_ratio needs params: call update(updates, state, params)")
-        grads, param_leaves, spec = check_leaves(updates, params)
-        new = []
-        for g, p in zip(grads, param_leaves):
-            if g is None:
-                new.append(None)
-                continue
-            param_norm = _safe_norm(p, min_norm)
-            update_norm = _safe_norm(g, min_norm)
-            ratio = trust_coefficient * param_norm / (update_norm + eps)
-            ratio = torch.where((param_norm == 0) | (update_norm == 0), torch.ones_like(ratio), ratio)
-            new.append(g * ratio.to(g.real.dtype))
-        return spec.unflatten(new), state
+    def reduce_leaf(g: torch.Tensor, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        param_norm = _safe_norm(p, min_norm)
+        update_norm = _safe_norm(g, min_norm)
+        ratio = trust_coefficient * param_norm / (update_norm + eps)
+        ratio = torch.where((param_norm == 0) | (update_norm == 0), torch.ones_like(ratio), ratio)
+        return {"ratio": ratio.to(g.real.dtype)}
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return elementwise(
+        Elementwise(
+            "scale_by_trust_ratio", EmptyState, (), False, _no_scalars, _scaled_by("ratio"), True, None, reduce_leaf
+        )
+    )
+
+
+def _no_scalars(count: torch.Tensor | None) -> dict:
+    return {}
+
+
+def _scaled_by(name: str) -> Any:
+    """The body ``u * s.<name>``."""
+
+    def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        return (g * getattr(s, name),)
+
+    return body
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
@@ -87,14 +95,11 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     """
     check_non_negative("min_scale", min_scale)
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
-        if params is None:
-            raise ValueError("scale_by_param_block_rms needs params: call update(updates, state, params)")
-        grads, param_leaves, spec = check_leaves(updates, params)
-        new = [
-            None if g is None else g * torch.clamp(block_rms(p), min=min_scale).to(g.real.dtype)
-            for g, p in zip(grads, param_leaves)
-        ]
-        return spec.unflatten(new), state
+    def reduce_leaf(g: torch.Tensor, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scale": torch.clamp(block_rms(p), min=min_scale).to(g.real.dtype)}
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return elementwise(
+        Elementwise(
+            "scale_by_param_block_rms", EmptyState, (), False, _no_scalars, _scaled_by("scale"), True, None, reduce_leaf
+        )
+    )

@@ -8,7 +8,7 @@ import torch
 
 from fadam._base import EmptyState, GradientTransformation
 from fadam._program import Elementwise, elementwise
-from fadam._tree import PyTree, tree_global_norm, tree_map
+from fadam._tree import tree_global_norm
 from fadam.transforms._validation import check_non_negative
 
 
@@ -81,11 +81,13 @@ def clip_by_block_rms(threshold: float | torch.Tensor) -> GradientTransformation
     """
     check_non_negative("threshold", threshold)
 
-    def clip_leaf(g: torch.Tensor) -> torch.Tensor:
+    def reduce_leaf(g: torch.Tensor, p: torch.Tensor | None) -> dict[str, torch.Tensor]:
         rms = torch.linalg.vector_norm(g) / (max(g.numel(), 1) ** 0.5)
-        return g / torch.clamp(rms / threshold, min=1.0).to(g.real.dtype)
+        return {"divisor": torch.clamp(rms / threshold, min=1.0).to(g.real.dtype)}
 
-    def update(updates: PyTree, state: EmptyState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmptyState]:
-        return tree_map(lambda g: None if g is None else clip_leaf(g), updates), state
+    def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        return (g / s.divisor,)
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return elementwise(
+        Elementwise("clip_by_block_rms", EmptyState, (), False, lambda count: {}, body, reduce_leaf=reduce_leaf)
+    )
