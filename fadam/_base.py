@@ -187,10 +187,13 @@ def step(
     With ``donate=False`` (the default) nothing passed in is modified. With ``donate=True`` the caller gives up
     ``params`` and ``state``: their buffers may be overwritten with the results (like buffer donation in JAX), so a
     step allocates no new param-sized tensors; read only the returned values afterwards. DTensor params (FSDP2) are
-    updated in place shard by shard, so a sharded module's own parameters hold the result. Either way, when ``tx`` is an
-    alias that matches a fused torch kernel (``adam``, ``adamw``, ``sgd``, ``adagrad``) and the tensors allow it (plain,
-    contiguous, on the CPU or CUDA), the step runs that kernel; otherwise it runs ``tx.update`` and adds the updates,
-    which writes a non-contiguous param's own elements only. Inputs are checked before anything is written.
+    updated in place shard by shard, so a sharded module's own parameters hold the result. The step runs on the fastest
+    backend the tensors allow (``fadam.explain`` says which, leaf by leaf, and why; ``fadam.backend`` chooses one):
+    torch's fused kernel where ``tx`` is an alias that matches one (``adam``, ``adamw``, ``sgd``, ``adagrad``) and the
+    tensors are plain and contiguous on the CPU or CUDA; else, for the declared stages of any chain, fadam's generated
+    CPU kernel on the leaves that are plain contiguous float32/float64 CPU tensors (the eager numbers bit for bit);
+    else ``tx.update`` and the addition of the updates, which writes a non-contiguous param's own elements only.
+    Inputs are checked before anything is written.
 
     A donated step whose leaves share memory where it would write (one buffer at two params, tied weights as views of
     one storage, a gradient or a state leaf that overlaps a param or another state leaf) returns what

@@ -11,6 +11,9 @@ Transforms describe their math per leaf; this module says when a faster executio
   graph. They walk a leaf's param, gradient and state as flat arrays of one layout, so every tensor must be
   contiguous (a strided view would be written past its elements, a transposed param read against a contiguous
   gradient). ``fadam.step`` uses them for the aliases that match a fused kernel.
+- *generated kernels* (``fadam._execute``, ``fadam._cpu_kernel``): C++ compiled from a chain's declared
+  per-element math, for any chain, on plain contiguous float32/float64 CPU tensors; ``fadam._execute.ready`` is
+  their precondition and ``fadam._execute.fast_step`` tries torch's fused kernels first, then them.
 
 Measured on a 2-core CPU with torch 2.13 (benchmarks/bench_adam.py): the out-of-place ``torch._foreach_*`` ops are
 slower than a per-leaf loop on CPU (93 ms vs 40 ms for a pure Adam step over 200 tensors of 84k elements), so the pure
