@@ -7,10 +7,10 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import dtype_for, host_number, safe_increment, zero_count
+from fadam._numerics import bias_correction, host_number, safe_increment
 from fadam._program import Elementwise, Slot, elementwise
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._validation import check_non_negative, check_state, known_value
+from fadam._tree import PyTree
+from fadam.transforms._validation import check_non_negative, known_value
 
 
 class TraceState(NamedTuple):
@@ -104,29 +104,15 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
     """
     check_non_negative("decay", decay)
 
-    def init(params: PyTree) -> EmaState:
-        check_params(params)
-        return EmaState(
-            zero_count(),
-            tree_map(
-                lambda p: None if p is None else torch.zeros_like(p, dtype=dtype_for(p, accumulator_dtype)), params
-            ),
-        )
+    def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        scalars = {"one_minus_decay": 1 - decay}
+        if debias:
+            scalars["correction"] = host_number(bias_correction(decay, safe_increment(count)))
+        return scalars
 
-    def update(updates: PyTree, state: EmaState, params: PyTree | None = None, **_: Any) -> tuple[PyTree, EmaState]:
-        check_state(state, EmaState, "ema")
-        grads, emas, spec = check_leaves(updates, state.ema, like_what="the EMA state (params)")
-        count = safe_increment(state.count)
-        correction = 1 - torch.pow(decay, count.to(torch.float64)) if debias else None
-        new_updates, new_emas = [], []
-        for g, e in zip(grads, emas):
-            if g is None:
-                new_updates.append(None)
-                new_emas.append(e)
-                continue
-            e_new = e.lerp(g.to(e.dtype), 1 - decay)
-            new_updates.append((e_new if correction is None else e_new / correction).to(g.dtype))
-            new_emas.append(e_new)
-        return spec.unflatten(new_updates), EmaState(count, spec.unflatten(new_emas))
+    def body(o: Any, s: Any, g: Any, p: Any, e: Any) -> tuple:
+        e = o.lerp(e, o.cast(g, e), s.one_minus_decay)
+        return (e / s.correction if debias else e), e
 
-    return GradientTransformation(init, update)
+    slot = Slot("ema", accumulator_dtype)
+    return elementwise(Elementwise("ema", EmaState, (slot,), True, prologue, body))
