@@ -11,9 +11,10 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._leafwise import map_moments
-from fadam.transforms._validation import check_non_negative, check_state
+from fadam._execute import backend
+from fadam._program import Elementwise, Slot, elementwise
+from fadam._tree import PyTree, check_params, tree_map
+from fadam.transforms._validation import check_non_negative
 
 
 def _full(params: PyTree, value: float) -> PyTree:
@@ -24,8 +25,27 @@ def _full(params: PyTree, value: float) -> PyTree:
     )
 
 
-def _scale(g: torch.Tensor, second: torch.Tensor, eps: float, eps_in_sqrt: bool) -> torch.Tensor:
-    return g * torch.rsqrt(second + eps) if eps_in_sqrt else g / (second.sqrt() + eps)
+def _scale(o: Any, s: Any, g: Any, second: Any, eps_in_sqrt: bool) -> Any:
+    if eps_in_sqrt:  # optax's g * rsqrt(v + eps); torch.rsqrt rounds as 1 / (IEEE sqrt), not as o.sqrt (MKL's)
+        return g * torch.rsqrt(second + s.eps)
+    return g / (o.sqrt(second) + s.eps)
+
+
+def _declared(decl: Elementwise, init: Any, eps_in_sqrt: bool) -> GradientTransformation:
+    """``decl``'s transform with ``init``'s state. With ``eps_in_sqrt`` the body calls ``torch.rsqrt``, which the
+    generated kernel has no operation for: its update runs the body eagerly, as an opaque transform."""
+    tx = elementwise(decl)
+    if not eps_in_sqrt:
+        return GradientTransformation(init, tx.update)
+
+    def update(updates: PyTree, state: Any, params: PyTree | None = None, **extra_args: Any) -> tuple[PyTree, Any]:
+        if torch.compiler.is_compiling():  # a compiled update never takes the kernel
+            return tx.update(updates, state, params, **extra_args)
+        with backend("eager"):
+            return tx.update(updates, state, params, **extra_args)
+
+    update.__qualname__ = decl.name  # what fadam.explain calls it
+    return GradientTransformation(init, update)
 
 
 class ScaleByRmsState(NamedTuple):
@@ -63,21 +83,16 @@ def scale_by_rms(
     def init(params: PyTree) -> ScaleByRmsState:
         return ScaleByRmsState(_full(params, initial_scale))
 
-    def update(
-        updates: PyTree, state: ScaleByRmsState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByRmsState]:
-        check_state(state, ScaleByRmsState, "scale_by_rms")
-        grads, nus, spec = check_leaves(updates, state.nu, like_what="the RMS state (params)")
+    def prologue(count: None) -> dict[str, float]:
+        return {"decay": decay, "one_minus_decay": 1 - decay, "eps": eps}
 
-        def leaf(g: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(nu.dtype)
-            nu_new = torch.addcmul(nu * decay, g, g, value=1 - decay)
-            return _scale(g, nu_new, eps, eps_in_sqrt), nu_new
+    def body(o: Any, s: Any, g: Any, p: Any, nu: Any) -> tuple:
+        g = o.cast(g, nu)
+        nu = o.addcmul(nu * s.decay, g, g, s.one_minus_decay)
+        return _scale(o, s, g, nu, eps_in_sqrt), nu
 
-        new_updates, (new_nus,) = map_moments(leaf, grads, nus)
-        return spec.unflatten(new_updates), ScaleByRmsState(spec.unflatten(new_nus))
-
-    return GradientTransformation(init, update)
+    decl = Elementwise("scale_by_rms", ScaleByRmsState, (Slot("nu"),), False, prologue, body)
+    return _declared(decl, init, eps_in_sqrt)
 
 
 class ScaleByRStdDevState(NamedTuple):
@@ -115,23 +130,17 @@ def scale_by_stddev(
     def init(params: PyTree) -> ScaleByRStdDevState:
         return ScaleByRStdDevState(_full(params, 0.0), _full(params, initial_scale))
 
-    def update(
-        updates: PyTree, state: ScaleByRStdDevState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByRStdDevState]:
-        check_state(state, ScaleByRStdDevState, "scale_by_stddev")
-        grads, mus, spec = check_leaves(updates, state.mu, like_what="the stddev state (params)")
-        nus = spec.flatten_up_to(state.nu)
+    def prologue(count: None) -> dict[str, float]:
+        return {"decay": decay, "one_minus_decay": 1 - decay, "eps": eps}
 
-        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(nu.dtype)
-            nu_new = torch.addcmul(nu * decay, g, g, value=1 - decay)
-            mu_new = mu.lerp(g, 1 - decay)
-            return _scale(g, torch.addcmul(nu_new, mu_new, mu_new, value=-1), eps, eps_in_sqrt), mu_new, nu_new
+    def body(o: Any, s: Any, g: Any, p: Any, mu: Any, nu: Any) -> tuple:
+        g = o.cast(g, nu)
+        nu = o.addcmul(nu * s.decay, g, g, s.one_minus_decay)
+        mu = o.lerp(mu, g, s.one_minus_decay)
+        return _scale(o, s, g, o.addcmul(nu, mu, mu, -1.0), eps_in_sqrt), mu, nu  # v - m^2 as torch.optim
 
-        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
-        return spec.unflatten(new_updates), ScaleByRStdDevState(spec.unflatten(new_mus), spec.unflatten(new_nus))
-
-    return GradientTransformation(init, update)
+    decl = Elementwise("scale_by_stddev", ScaleByRStdDevState, (Slot("mu"), Slot("nu")), False, prologue, body)
+    return _declared(decl, init, eps_in_sqrt)
 
 
 class ScaleByRssState(NamedTuple):
@@ -169,22 +178,14 @@ def scale_by_rss(
     def init(params: PyTree) -> ScaleByRssState:
         return ScaleByRssState(_full(params, initial_accumulator_value))
 
-    def update(
-        updates: PyTree, state: ScaleByRssState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByRssState]:
-        check_state(state, ScaleByRssState, "scale_by_rss")
-        grads, sums, spec = check_leaves(updates, state.sum_of_squares, like_what="the Adagrad state (params)")
+    def prologue(count: None) -> dict[str, float]:
+        return {"eps": eps}
 
-        def leaf(g: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(total.dtype)
-            total_new = torch.addcmul(total, g, g)
-            if eps_in_sqrt:
-                u = torch.where(total_new > 0, g * torch.rsqrt(total_new + eps), torch.zeros_like(g))
-            else:
-                u = g / (total_new.sqrt() + eps)
-            return u, total_new
+    def body(o: Any, s: Any, g: Any, p: Any, total: Any) -> tuple:
+        g = o.cast(g, total)
+        total = o.addcmul(total, g, g, 1.0)
+        u = _scale(o, s, g, total, eps_in_sqrt)
+        return (o.where(total > 0, u, 0.0) if eps_in_sqrt else u), total
 
-        new_updates, (new_sums,) = map_moments(leaf, grads, sums)
-        return spec.unflatten(new_updates), ScaleByRssState(spec.unflatten(new_sums))
-
-    return GradientTransformation(init, update)
+    decl = Elementwise("scale_by_rss", ScaleByRssState, (Slot("sum_of_squares"),), False, prologue, body)
+    return _declared(decl, init, eps_in_sqrt)
