@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, for_leaf, safe_increment, zero_count
+from fadam._numerics import bias_correction, for_leaf, host_number, safe_increment, zero_count
+from fadam._program import Elementwise, Slot, elementwise
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._leafwise import map_moments
 from fadam.transforms._validation import check_non_negative, check_state, check_unit_interval
@@ -125,7 +126,8 @@ def scale_by_radam(
             & \rho_t > \text{threshold} \\
             \hat m_t & \text{otherwise}\end{cases}
 
-    The branch is a ``torch.where`` on the step count, so the transform runs under vmap and compile.
+    The branch is decided once per step from the count and taken by a select in the update, so the transform runs
+    under vmap and compile.
 
     Args:
         b1: decay of the first moment.
@@ -147,38 +149,35 @@ def scale_by_radam(
     check_non_negative("eps", eps)
     rho_inf = 2.0 / (1.0 - b2) - 1.0
 
-    def init(params: PyTree) -> ScaleByRadamState:
-        return ScaleByRadamState(zero_count(), _zeros(params), _zeros(params))
-
-    def update(
-        updates: PyTree, state: ScaleByRadamState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByRadamState]:
-        check_state(state, ScaleByRadamState, "scale_by_radam")
-        grads, mus, spec = check_leaves(updates, state.mu, like_what="the RAdam state (params)")
-        nus = spec.flatten_up_to(state.nu)
-        count = safe_increment(state.count)
+    def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        count = safe_increment(count)
         step = count.to(torch.float64)
-        bc1 = bias_correction(b1, count)
         bc2 = bias_correction(b2, count)
         rho_t = rho_inf - 2.0 * step * torch.pow(b2, step) / bc2
-        rectify = rho_t > threshold
         ratio = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
-        rect = torch.sqrt(ratio.clamp(min=0.0))  # only read where rho_t > threshold, where the ratio is positive
-        bc2_sqrt = bc2.sqrt()
+        return {
+            "one_minus_b1": 1 - b1,
+            "b2": b2,
+            "one_minus_b2": 1 - b2,
+            "eps": eps,
+            "bc1": host_number(bias_correction(b1, count)),
+            # a tensor, not a float: ``float / tensor`` is torch's reciprocal times the float, rounded twice
+            "bc2_sqrt": bc2.sqrt(),
+            # only read where rho_t > threshold, where the ratio is positive
+            "rect": host_number(torch.sqrt(ratio.clamp(min=0.0))),
+            "rectify": rho_t > threshold,  # a 0-d bool tensor: the branch of this step
+        }
 
-        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(mu.dtype)
-            mu_new = mu.lerp(g, 1 - b1)
-            nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
-            bc1_g, bc2_sqrt_g, rect_g, condition = (for_leaf(x, g) for x in (bc1, bc2_sqrt, rect, rectify))
-            mu_hat = mu_new / bc1_g
-            adaptive = bc2_sqrt_g / (nu_new.sqrt() + eps)
-            return torch.where(condition, mu_hat * adaptive * rect_g, mu_hat), mu_new, nu_new
+    def body(o: Any, s: Any, g: Any, p: Any, mu: Any, nu: Any) -> tuple:
+        g = o.cast(g, mu)
+        mu = o.lerp(mu, g, s.one_minus_b1)
+        nu = o.addcmul(nu * s.b2, g, g, s.one_minus_b2)
+        mu_hat = mu / s.bc1
+        adaptive = s.bc2_sqrt / (o.sqrt(nu) + s.eps)
+        return o.where(s.rectify, mu_hat * adaptive * s.rect, mu_hat), mu, nu
 
-        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
-        return spec.unflatten(new_updates), ScaleByRadamState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
-
-    return GradientTransformation(init, update)
+    slots = (Slot("mu"), Slot("nu"))
+    return elementwise(Elementwise("scale_by_radam", ScaleByRadamState, slots, True, prologue, body))
 
 
 class ScaleByAdamaxState(NamedTuple):
@@ -212,25 +211,15 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     check_unit_interval("b2", b2)
     check_non_negative("eps", eps)
 
-    def init(params: PyTree) -> ScaleByAdamaxState:
-        return ScaleByAdamaxState(zero_count(), _zeros(params), _zeros(params))
+    def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        bc1 = host_number(bias_correction(b1, safe_increment(count)))
+        return {"one_minus_b1": 1 - b1, "b2": b2, "eps": eps, "bc1": bc1}
 
-    def update(
-        updates: PyTree, state: ScaleByAdamaxState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByAdamaxState]:
-        check_state(state, ScaleByAdamaxState, "scale_by_adamax")
-        grads, mus, spec = check_leaves(updates, state.mu, like_what="the Adamax state (params)")
-        nus = spec.flatten_up_to(state.nu)
-        count = safe_increment(state.count)
-        bc1 = bias_correction(b1, count)
+    def body(o: Any, s: Any, g: Any, p: Any, mu: Any, nu: Any) -> tuple:
+        g = o.cast(g, mu)
+        mu = o.lerp(mu, g, s.one_minus_b1)
+        nu = o.maximum(nu * s.b2, o.abs(g) + s.eps)
+        return mu / nu / s.bc1, mu, nu
 
-        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(mu.dtype)
-            mu_new = mu.lerp(g, 1 - b1)
-            nu_new = torch.maximum(nu * b2, g.abs() + eps)
-            return mu_new / nu_new / for_leaf(bc1, g), mu_new, nu_new
-
-        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
-        return spec.unflatten(new_updates), ScaleByAdamaxState(count, spec.unflatten(new_mus), spec.unflatten(new_nus))
-
-    return GradientTransformation(init, update)
+    slots = (Slot("mu"), Slot("nu"))
+    return elementwise(Elementwise("scale_by_adamax", ScaleByAdamaxState, slots, True, prologue, body))
