@@ -1,4 +1,5 @@
-"""Building blocks in ``fadam/transforms/`` against hand-computed values and optax's definitions."""
+"""Building blocks in ``fadam/transforms/`` against hand-computed values and optax's definitions, and the generated
+kernel against their eager path."""
 
 from __future__ import annotations
 
@@ -269,6 +270,102 @@ def test_tensor_learning_rate_carries_gradient():
     out, _ = fadam.scale_by_learning_rate(lr).update([torch.tensor([2.0, 3.0])], fadam.EmptyState())
     out[0].sum().backward()
     assert float(lr.grad) == -5.0
+
+
+# ---------------------------------------------------------------------------------------------- generated kernel
+
+_lr = fadam.scale_by_learning_rate
+
+# declared transforms and the aliases built from them; fadam.backend("kernel") keeps torch's fused adagrad out
+KERNEL_PROGRAMS = {
+    "ema": lambda: fadam.chain(fadam.ema(0.9), _lr(1e-2)),
+    "rmsprop": lambda: fadam.rmsprop(1e-2),
+    "rmsprop-centered-momentum": lambda: fadam.rmsprop(1e-3, centered=True, momentum=0.9, weight_decay=0.1),
+    "adagrad": lambda: fadam.adagrad(1e-1, lr_decay=1e-3, initial_accumulator_value=0.1),
+    "adamax": lambda: fadam.adamax(1e-2, weight_decay=0.1),
+    "radam": lambda: fadam.radam(1e-2),
+    # rho_t crosses 4.5 at step 5: the steps before are plain momentum, the steps after rectified
+    "radam-rectifying": lambda: fadam.chain(fadam.scale_by_radam(b2=0.9, threshold=4.5), _lr(1e-2)),
+}
+
+
+def _kernel_params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    complex_dtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+    return {
+        "big": torch.randn(70_001, generator=gen, dtype=dtype),  # vector and chunk tails
+        "matrix": torch.randn(3, 5, generator=gen, dtype=dtype),
+        "complex": torch.randn(17, generator=gen, dtype=complex_dtype),
+    }
+
+
+_EDGES = [float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-40, -1e-300, 1e30]
+
+
+def _kernel_grads(params: dict, step: int, edges: bool) -> dict:
+    """Magnitudes from 1e-6 to 1e3 with zeros; with ``edges``, infinities, NaN, signed zeros and subnormals."""
+    gen = torch.Generator().manual_seed(step)
+
+    def leaf(p: torch.Tensor) -> torch.Tensor:
+        real = torch.view_as_real(p) if p.is_complex() else p
+        g = torch.randn(real.shape, generator=gen, dtype=real.dtype)
+        g = g * 10.0 ** torch.randint(-6, 4, real.shape, generator=gen).to(real.dtype)
+        flat = g.view(-1)
+        flat[step % 7 :: 7] = 0.0
+        if edges:
+            for k, value in enumerate(_EDGES):
+                flat[k :: len(_EDGES) + 2] = value
+        return torch.view_as_complex(g) if p.is_complex() else g
+
+    return {k: leaf(p) for k, p in params.items()}
+
+
+def _bit_mismatches(a, b) -> list:
+    """The paths of the leaves whose dtypes or bits differ (a zero's sign counts; every NaN is one NaN)."""
+    integers = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        t = torch.view_as_real(t) if t.is_complex() else t
+        if t.dtype not in integers:
+            return t
+        return torch.where(t.isnan(), float("nan"), t).view(integers[t.dtype])
+
+    assert fadam.tree_paths(a) == fadam.tree_paths(b)
+    return [
+        path
+        for path, x, y in zip(fadam.tree_paths(a), fadam._tree.tree_leaves(a), fadam._tree.tree_leaves(b))
+        if x.dtype != y.dtype or not torch.equal(bits(x), bits(y))
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", list(KERNEL_PROGRAMS))
+def test_the_generated_kernel_equals_the_eager_path_bit_for_bit(name, dtype, monkeypatch):
+    """8 donated steps on the generated kernel against the eager path (``fadam.backend("eager")``), params and state
+    compared bit for bit after every step; the last step's gradients hold infinities, NaN and signed zeros."""
+    from fadam import _cpu_kernel
+
+    runs = []
+    run = _cpu_kernel.Kernel.run
+    monkeypatch.setattr(
+        _cpu_kernel.Kernel, "run", lambda self, leaves, *rest: runs.append(len(leaves)) or run(self, leaves, *rest)
+    )
+    tx = KERNEL_PROGRAMS[name]()
+    params = _kernel_params(dtype)
+    assert fadam.explain(tx, params).splitlines()[-1].endswith("generated CPU kernel: ['big'], ['complex'], ['matrix']")
+    eager = (params, tx.init(params))
+    kernel = fadam.tree_map(torch.clone, eager)
+    steps = 8
+    for step in range(steps):
+        grads = _kernel_grads(params, step, edges=step == steps - 1)
+        with fadam.backend("eager"):
+            updates, state = tx.update(grads, eager[1], eager[0])
+        eager = (fadam.apply_updates(eager[0], updates), state)
+        with fadam.backend("kernel"):
+            kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=True)
+        assert _bit_mismatches(kernel, eager) == [], f"step {step}"
+    assert runs == [3] * steps  # every step ran the kernel on the three leaves
+    assert any(t.isnan().any() for t in fadam._tree.tree_leaves(eager))  # the NaN-aware comparison met NaN
 
 
 # ------------------------------------------------------------------------------------------------------ validation
