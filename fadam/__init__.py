@@ -30,7 +30,22 @@ from fadam._tree import (
     tree_sub,
     tree_zeros_like,
 )
-from fadam.aliases import adafactor, adagrad, adam, adamax, adamw, lamb, lion, nadam, nadamw, radam, rmsprop, sgd
+from fadam.aliases import (
+    adafactor,
+    adagrad,
+    adam,
+    adamax,
+    adamw,
+    lamb,
+    lion,
+    nadam,
+    nadamw,
+    radam,
+    rmsprop,
+    sgd,
+    sign_sgd,
+    signum,
+)
 from fadam.bridge import Optimizer, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
@@ -100,6 +115,7 @@ from fadam.transforms._rms import (
     scale_by_stddev,
 )
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
+from fadam.transforms._sign import scale_by_sign
 
 global_norm = tree_global_norm
 
@@ -236,6 +252,7 @@ __all__ = [
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_schedule",
+    "scale_by_sign",
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "schedules",
@@ -244,6 +261,8 @@ __all__ = [
     "sgd",
     "sgd8bit",
     "sgdr_schedule",
+    "sign_sgd",
+    "signum",
     "skip_large_updates",
     "skip_not_finite",
     "state_from_dict",

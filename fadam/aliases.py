@@ -1,4 +1,5 @@
-"""Ready-made optimizers with torch.optim's signatures and semantics, each a ``chain`` of transforms.
+"""Ready-made optimizers with torch.optim's signatures and semantics, each a ``chain`` of transforms (``sign_sgd``
+and ``signum``, which torch.optim lacks, with optax's).
 
 ``fadam.step`` runs them with torch's fused kernels where the inputs allow it; ``tx.update`` always runs the chain.
 """
@@ -20,7 +21,8 @@ from fadam.transforms._lion import scale_by_lion
 from fadam.transforms._momentum import ema, trace
 from fadam.transforms._rms import scale_by_rms, scale_by_rss, scale_by_stddev
 from fadam.transforms._scaling import scale, scale_by_learning_rate
-from fadam.transforms._validation import known_value
+from fadam.transforms._sign import scale_by_sign
+from fadam.transforms._validation import check_unit_interval, known_value
 
 
 def _value(x: float | torch.Tensor, name: str) -> float:
@@ -584,6 +586,68 @@ def lion(
     _check_lion_args(lr, betas, weight_decay)
     decay = [add_decayed_weights(weight_decay)] if _has_decay(weight_decay) else []
     return chain(*_head(maximize, 0.0), scale_by_lion(betas[0], betas[1], mu_dtype), *decay, scale_by_learning_rate(lr))
+
+
+def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformation:
+    r"""signSGD: descends along the signs of the gradient's components (optax's ``sign_sgd``).
+
+    .. math::
+        p_t = p_{t-1} - \eta_t \operatorname{sign}(g_t)
+
+    ``chain(scale_by_sign, scale_by_learning_rate)``.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.sign_sgd(0.1)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([0.01, -5.0])], tx.init(params), params)[0]
+        [tensor([-0.1000,  0.1000])]
+
+    References:
+        Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", 2018.
+    """
+    _check_lr(learning_rate)
+    return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
+
+
+def signum(
+    learning_rate: ScalarOrSchedule, beta: float | torch.Tensor = 0.9, accumulator_dtype: torch.dtype | None = None
+) -> GradientTransformation:
+    r"""Signum: descends along the signs of a moving average of the gradients (optax's ``signum``).
+
+    .. math::
+        m_t = \beta m_{t-1} + (1-\beta) g_t,\qquad p_t = p_{t-1} - \eta_t \operatorname{sign}(m_t)
+
+    ``chain(ema(beta, debias=False), scale_by_sign, scale_by_learning_rate)``, optax's order and names: the average
+    is not debiased, which would not change its sign.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        beta: the decay :math:`\beta` of the average (the paper's momentum).
+        accumulator_dtype: dtype of the average (default: the param's).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.signum(0.1)
+        >>> params = [torch.zeros(2)]
+        >>> u, state = tx.update([torch.tensor([1.0, -1.0])], tx.init(params), params)
+        >>> tx.update([torch.tensor([-2.0, -2.0])], state, params)[0]  # m = (-0.1, -0.28)
+        [tensor([0.1000, 0.1000])]
+
+    References:
+        Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", 2018.
+        Zhao et al., "Deconstructing What Makes a Good Optimizer for Language Models", 2024.
+    """
+    _check_lr(learning_rate)
+    check_unit_interval("beta", beta)
+    return chain(
+        ema(beta, debias=False, accumulator_dtype=accumulator_dtype),
+        scale_by_sign(),
+        scale_by_learning_rate(learning_rate),
+    )
 
 
 def lamb(

@@ -272,12 +272,61 @@ def test_tensor_learning_rate_carries_gradient():
     assert float(lr.grad) == -5.0
 
 
+# ------------------------------------------------------------------------------------------------------------ sign
+
+
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+
+
+def test_scale_by_sign_and_signum_follow_their_equations():
+    """20 float64 steps: ``scale_by_sign`` gives sign(g) (0 for a zero); ``signum`` keeps m = beta m + (1 - beta) g
+    and steps p - lr sign(m), optax's order (the average is taken before the sign)."""
+    grads = _seq(20)
+    for g in grads[::3]:
+        g[1] = 0.0
+    signs, state = _run(fadam.scale_by_sign(), grads)
+    assert state == fadam.EmptyState()
+    for step, (u, g) in enumerate(zip(signs, grads), start=1):
+        assert u.dtype == F64 and torch.equal(u, _sign(g)), f"step {step}"
+
+    lr, beta = 0.05, 0.8
+    tx = fadam.signum(lr, beta=beta)
+    params = [torch.linspace(-1.0, 1.0, 5, dtype=F64)]
+    state = tx.init(params)
+    p, m = params[0].clone(), torch.zeros(5, dtype=F64)
+    for step, g in enumerate(grads, start=1):
+        updates, state = tx.update([g], state, params)
+        params = fadam.apply_updates(params, updates)
+        m = beta * m + (1 - beta) * g
+        p = p - lr * _sign(m)
+        torch.testing.assert_close(state[0].ema[0], m, rtol=1e-14, atol=1e-16, msg=f"step {step}")
+        torch.testing.assert_close(params[0], p, rtol=1e-15, atol=0.0, msg=f"step {step}")
+    assert int(state[0].count) == 20
+
+
+def test_sign_of_a_complex_leaf_is_taken_per_component():
+    g = torch.tensor([complex(-0.5, 2.0), complex(0.0, 0.0), complex(3.0, -1e-30)])
+    u, _ = fadam.scale_by_sign().update([g], fadam.EmptyState())
+    assert torch.equal(u[0], torch.tensor([complex(-1.0, 1.0), complex(0.0, 0.0), complex(1.0, -1.0)]))
+
+
+def test_sign_sgd_is_lr_times_the_sign():
+    params = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    tx = fadam.sign_sgd(0.5)
+    u, _ = tx.update({"w": torch.tensor([1e-6, -3.0, 2.0])}, tx.init(params), params)
+    assert torch.equal(u["w"], torch.tensor([-0.5, 0.5, -0.5]))
+
+
 # ---------------------------------------------------------------------------------------------- generated kernel
 
 _lr = fadam.scale_by_learning_rate
 
 # declared transforms and the aliases built from them; fadam.backend("kernel") keeps torch's fused adagrad out
 KERNEL_PROGRAMS = {
+    "scale_by_sign": lambda: fadam.chain(fadam.scale_by_sign(), _lr(1e-2)),
+    "sign_sgd": lambda: fadam.sign_sgd(1e-2),
+    "signum": lambda: fadam.signum(1e-2),
     "ema": lambda: fadam.chain(fadam.ema(0.9), _lr(1e-2)),
     "rmsprop": lambda: fadam.rmsprop(1e-2),
     "rmsprop-centered-momentum": lambda: fadam.rmsprop(1e-3, centered=True, momentum=0.9, weight_decay=0.1),
@@ -365,7 +414,8 @@ def test_the_generated_kernel_equals_the_eager_path_bit_for_bit(name, dtype, mon
             kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=True)
         assert _bit_mismatches(kernel, eager) == [], f"step {step}"
     assert runs == [3] * steps  # every step ran the kernel on the three leaves
-    assert any(t.isnan().any() for t in fadam._tree.tree_leaves(eager))  # the NaN-aware comparison met NaN
+    nan = any(t.isnan().any() for t in fadam._tree.tree_leaves(eager))
+    assert nan != name.startswith(("scale_by_sign", "sign_sgd"))  # the sign of NaN is 0: the others carry NaN on
 
 
 # ------------------------------------------------------------------------------------------------------ validation
@@ -388,6 +438,8 @@ def test_the_generated_kernel_equals_the_eager_path_bit_for_bit(name, dtype, mon
         (lambda: fadam.add_decayed_weights(torch.tensor([0.1, 0.2])), "1-element"),
         (lambda: fadam.add_decoupled_weight_decay(0.1, -1.0), "weight_decay"),
         (lambda: fadam.scale_by_learning_rate(-0.1), "learning rate: -0.1"),
+        (lambda: fadam.sign_sgd(-0.1), "Invalid learning rate: -0.1"),
+        (lambda: fadam.signum(0.1, beta=1.0), "beta: 1.0"),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_them(factory, named):

@@ -1,5 +1,5 @@
 """Rows for the aliases beyond adam, adamw and sgd: torch.optim-matching ones checked against their class, the others
-against their papers' equations in tests/test_more_aliases.py."""
+against their papers' equations in tests/test_more_aliases.py (signum's in tests/test_transforms.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ ROWS: list[Row] = [
     Row("adamax", fadam.adamax, {"lr": 1e-2}, torch.optim.Adamax),
     Row("nadamw", fadam.nadamw, {"lr": 1e-2}, reference="equations"),
     Row("lion", fadam.lion, {"lr": 1e-2}, reference="equations"),
+    Row("signum", fadam.signum, {"learning_rate": 1e-2}, reference="equations"),
     # LAMB's step has norm lr * ||p|| whatever the gradient (its trust ratio), so with a constant lr it circles the
     # minimum instead of settling, and where it stands after 1000 steps depends on rounding; its paper decays the lr,
     # and so does this row on the convergence problems
