@@ -70,7 +70,13 @@ typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 """
 
 _BINARY_C = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "gt": ">", "le": "<=", "ge": ">="}
-_UNARY_C = {"neg": "-{}", "abs": "std::fabs({})", "sign": "fadam_sign({})"}
+_UNARY_C = {
+    "neg": "-{}",
+    "abs": "std::fabs({})",
+    "sign": "fadam_sign({})",
+    "reciprocal": "T(1) / {}",
+    "rsqrt": "T(1) / std::sqrt({})",  # torch.rsqrt: the IEEE square root (not MKL's), then a division
+}
 _CALLS = {
     "maximum": "fadam_maximum({}, {})",
     "minimum": "fadam_minimum({}, {})",

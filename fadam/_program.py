@@ -148,6 +148,7 @@ class EagerOps:
         # where autograd or torch.func sees the step, derivatives must stay finite where x is 0 (safe_sqrt)
         return torch.sqrt(x) if is_plain(x) else safe_sqrt(x)
 
+    rsqrt = staticmethod(torch.rsqrt)  # 1 / the IEEE square root, on every CPU path of ATen's
     abs = staticmethod(torch.abs)
     sign = staticmethod(torch.sign)
     maximum = staticmethod(torch.maximum)
@@ -408,7 +409,8 @@ class Node:
         return self._binary("div", other)
 
     def __rtruediv__(self, other: Any) -> Node:
-        return self._binary("div", other, swap=True)
+        # torch computes ``number / tensor`` as ``tensor.reciprocal() * number``: two roundings, traced as such
+        return self.graph.apply("mul", self.graph.apply("reciprocal", self), other)
 
     def __neg__(self) -> Node:
         return self.graph.apply("neg", self)
@@ -484,6 +486,9 @@ class TraceOps:
 
     def sqrt(self, x: Node) -> Node:
         return self._graph.apply("sqrt", x)
+
+    def rsqrt(self, x: Node) -> Node:
+        return self._graph.apply("rsqrt", x)
 
     def abs(self, x: Node) -> Node:
         return self._graph.apply("abs", x)

@@ -343,3 +343,18 @@ def test_a_complex_leaf_adds_its_update_as_the_eager_path_does(value):
     eager = _eager_step(tx, params, grads, tx.init(params))
     kernel = fadam.step(tx, _clone(params), grads, tx.init(params))
     assert _mismatches(kernel, eager, equal_nan=True) == []
+
+
+def test_a_number_over_an_element_rounds_as_torch_rounds_it():
+    """torch computes ``number / tensor`` as ``tensor.reciprocal() * number`` (two roundings): the traced body too."""
+    from fadam._program import Elementwise, elementwise
+
+    def body(o, s, g, p):
+        return (0.3 / (g * g + 1.0) + o.rsqrt(g * g + s.eps),)
+
+    tx = elementwise(Elementwise("test_quotient", fadam.EmptyState, (), False, lambda count: {"eps": 1e-3}, body))
+    params = {"w": torch.randn(70_001, generator=torch.Generator().manual_seed(3))}
+    grads = {"w": torch.randn(70_001, generator=torch.Generator().manual_seed(4))}
+    eager = _eager_step(tx, params, grads, tx.init(params))
+    kernel = fadam.step(tx, _clone(params), grads, tx.init(params), donate=True)
+    assert _mismatches(kernel, eager) == []

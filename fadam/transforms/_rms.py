@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._execute import backend
 from fadam._program import Elementwise, Slot, elementwise
 from fadam._tree import PyTree, check_params, tree_map
 from fadam.transforms._validation import check_non_negative
@@ -26,26 +25,14 @@ def _full(params: PyTree, value: float) -> PyTree:
 
 
 def _scale(o: Any, s: Any, g: Any, second: Any, eps_in_sqrt: bool) -> Any:
-    if eps_in_sqrt:  # optax's g * rsqrt(v + eps); torch.rsqrt rounds as 1 / (IEEE sqrt), not as o.sqrt (MKL's)
-        return g * torch.rsqrt(second + s.eps)
+    if eps_in_sqrt:  # optax's g * rsqrt(v + eps)
+        return g * o.rsqrt(second + s.eps)
     return g / (o.sqrt(second) + s.eps)
 
 
-def _declared(decl: Elementwise, init: Any, eps_in_sqrt: bool) -> GradientTransformation:
-    """``decl``'s transform with ``init``'s state. With ``eps_in_sqrt`` the body calls ``torch.rsqrt``, which the
-    generated kernel has no operation for: its update runs the body eagerly, as an opaque transform."""
-    tx = elementwise(decl)
-    if not eps_in_sqrt:
-        return GradientTransformation(init, tx.update)
-
-    def update(updates: PyTree, state: Any, params: PyTree | None = None, **extra_args: Any) -> tuple[PyTree, Any]:
-        if torch.compiler.is_compiling():  # a compiled update never takes the kernel
-            return tx.update(updates, state, params, **extra_args)
-        with backend("eager"):
-            return tx.update(updates, state, params, **extra_args)
-
-    update.__qualname__ = decl.name  # what fadam.explain calls it
-    return GradientTransformation(init, update)
+def _declared(decl: Elementwise, init: Any) -> GradientTransformation:
+    """``decl``'s transform with ``init``'s state (nonzero initial values)."""
+    return GradientTransformation(init, elementwise(decl).update)
 
 
 class ScaleByRmsState(NamedTuple):
@@ -92,7 +79,7 @@ def scale_by_rms(
         return _scale(o, s, g, nu, eps_in_sqrt), nu
 
     decl = Elementwise("scale_by_rms", ScaleByRmsState, (Slot("nu"),), False, prologue, body)
-    return _declared(decl, init, eps_in_sqrt)
+    return _declared(decl, init)
 
 
 class ScaleByRStdDevState(NamedTuple):
@@ -140,7 +127,7 @@ def scale_by_stddev(
         return _scale(o, s, g, o.addcmul(nu, mu, mu, -1.0), eps_in_sqrt), mu, nu  # v - m^2 as torch.optim
 
     decl = Elementwise("scale_by_stddev", ScaleByRStdDevState, (Slot("mu"), Slot("nu")), False, prologue, body)
-    return _declared(decl, init, eps_in_sqrt)
+    return _declared(decl, init)
 
 
 class ScaleByRssState(NamedTuple):
@@ -188,4 +175,4 @@ def scale_by_rss(
         return (o.where(total > 0, u, 0.0) if eps_in_sqrt else u), total
 
     decl = Elementwise("scale_by_rss", ScaleByRssState, (Slot("sum_of_squares"),), False, prologue, body)
-    return _declared(decl, init, eps_in_sqrt)
+    return _declared(decl, init)
