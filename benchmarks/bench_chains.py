@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_adam import inplace_bandwidth_gbs  # benchmarks/, the script's folder
 
 import fadam
 
@@ -77,16 +78,6 @@ ANCHOR = {
 class Variant:
     run: Callable[[], None]
     prepare: Callable[[], None] | None = None  # runs before each step, outside the timed region
-
-
-def inplace_bandwidth_gbs(rounds: int) -> float:
-    x = torch.ones(64 * 1024 * 1024)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        x.mul_(1.0000001)
-        times.append(time.perf_counter() - start)
-    return 2 * x.numel() * 4 / statistics.median(times) / 1e9  # one read + one write per element
 
 
 def cpu_model() -> str:
