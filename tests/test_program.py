@@ -140,6 +140,21 @@ PROGRAMS = {
     ),
     "opaque-in-the-middle": lambda: fadam.chain(fadam.scale_by_adam(), _double(), _lr(1e-2)),
     "lamb": lambda: fadam.lamb(1e-2, weight_decay=0.1),  # a per-leaf trust ratio between two segments
+    "partition": lambda: fadam.partition(
+        {
+            "adam": fadam.chain(fadam.scale_by_adam(), _lr(1e-2)),
+            "lion": fadam.lion(1e-3),
+            "frozen": fadam.set_to_zero(),
+        },
+        {"big": "adam", "matrix": "lion", "complex": "adam"},
+    ),
+    "nested-masks": lambda: fadam.masked(
+        fadam.chain(
+            fadam.masked(fadam.scale(3.0), {"big": False, "matrix": True, "complex": True}), fadam.scale_by_lion()
+        ),
+        {"big": True, "matrix": True, "complex": True},
+    ),
+    "inject_hyperparams": lambda: fadam.inject_hyperparams(fadam.lion)(lr=1e-3, weight_decay=0.1),
     "block-rms": lambda: fadam.chain(
         fadam.clip_by_block_rms(0.5), fadam.scale_by_adam(), fadam.scale_by_param_block_rms(), _lr(1e-2)
     ),
