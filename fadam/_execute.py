@@ -175,24 +175,30 @@ def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> di
     """Each declared stage's leaves, or ``None`` where a state is not laid out as its stage's ``init`` lays it out
     (another type, an OrderedDict of the params' dict...): the eager path then matches it or names the problem."""
     found = {}
+    param_leaves = spec.flatten_up_to(params)
+    everything = [True] * len(param_leaves)
+    every_position: list[int | None] = list(range(len(param_leaves)))
     for stage in program.stages:
         if stage.decl is None:
             continue
         stage_state = state_at(state, stage.path)
         if not isinstance(stage_state, stage.decl.state_type):
             return None
-        selected = leaf_selection(stage, params)
-        like = optree.tree_structure(_masked_tree(params, selected), none_is_leaf=True) if stage.selections else spec
         trees = [getattr(stage_state, slot.name) for slot in stage.decl.slots]
+        if stage.selections:
+            selected = leaf_selection(stage, params)
+            like = optree.tree_structure(_masked_tree(params, selected), none_is_leaf=True)
+            positions: list[int | None] = []
+            count = 0
+            for flag in selected:
+                positions.append(count if flag else None)
+                count += flag
+            references = [leaf for leaf, keep in zip(param_leaves, selected) if keep]
+        else:  # no mask: every leaf, in the params' order
+            selected, like, positions, references = everything, spec, every_position, param_leaves
         if any(optree.tree_structure(tree, none_is_leaf=True) != like for tree in trees):
             return None
-        positions: list[int | None] = []
-        count = 0
-        for flag in selected:
-            positions.append(count if flag else None)
-            count += flag
         slots = [like.flatten_up_to(tree) for tree in trees]
-        references = [leaf for leaf, keep in zip(optree.tree_leaves(params, none_is_leaf=True), selected) if keep]
         if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
             return None
         found[stage.path] = _StageLeaves(selected, slots, positions, like)
@@ -341,8 +347,11 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
     ]
     eager_only = any(_graph_scalar(v, grad_enabled) for stage in scalars for v in stage.values())
     groups: dict[tuple[bool, ...], list[int]] = {}  # the stages that apply to a leaf -> its leaves
-    for i in range(len(step.params)):
-        groups.setdefault(tuple(entry.selected[i] for entry in entries), []).append(i)
+    if all(not stage.selections for stage in part.stages):
+        groups[(True,) * len(entries)] = list(range(len(step.params)))
+    else:
+        for i in range(len(step.params)):
+            groups.setdefault(tuple(entry.selected[i] for entry in entries), []).append(i)
     new_slots = [[list(slot) for slot in entry.slots] for entry in entries]
     for applying, members in groups.items():
         chosen = [k for k, flag in enumerate(applying) if flag]
