@@ -120,6 +120,7 @@ def _phases(traced: Traced, needed: set[int]) -> dict[int, int]:
     return phase
 
 
+@functools.lru_cache(maxsize=512)
 def source(traced: Traced, dtype: torch.dtype) -> str:
     """The C++ source of ``traced`` for ``dtype``: ``fadam_run(leaves, sizes, pointers, scalars, threads, sqrt_rows,
     mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order, then the outputs."""

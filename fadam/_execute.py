@@ -408,7 +408,7 @@ def _run_kernel(
     donate: bool,
 ) -> None:
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
-    traced = trace(decls, applies)
+    traced = trace(tuple(decls), applies)
     values = scalar_values(decls, [scalars[k] for k in chosen], traced.graph)
     leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
     by_dtype: dict[torch.dtype, list[int]] = {}

@@ -25,6 +25,7 @@ as it is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -531,9 +532,12 @@ class Traced(NamedTuple):
     applies: bool  # the last output is p + u, the new param
 
 
-def trace(decls: Sequence[Elementwise], applies: bool) -> Traced:
+@functools.lru_cache(maxsize=256)
+def trace(decls: tuple[Elementwise, ...], applies: bool) -> Traced:
     """Traces consecutive declarations into one graph. Inputs, in order: ``u``, then ``p`` if any stage reads the
-    params or the result is applied, then each stage's slots. Scalars are named ``<stage>.<name>``."""
+    params or the result is applied, then each stage's slots. Scalars are named ``<stage>.<name>``. A program's
+    trace is kept (tracing runs each prologue once, about a millisecond) for as long as its declarations are in use:
+    a transform rebuilt at every step (``inject_hyperparams``) traces again, into the same kernel."""
     graph = Graph()
     ops = TraceOps(graph)
     u = graph.input("u")
