@@ -303,12 +303,11 @@ def _machine() -> str:
 class Kernel:
     """A compiled segment: ``run`` calls it on a table of leaf pointers."""
 
-    def __init__(self, library: ctypes.CDLL, inputs: int, outputs: int, dtype: torch.dtype) -> None:
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
         self._function = library.fadam_run
         self._function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_void_p] * 2]
         self._function.restype = ctypes.c_int64
         self._library = library  # keeps the library loaded while the function is referenced
-        self.inputs, self.outputs = inputs, outputs
         single, double, threads = _mkl_functions()
         self._sqrt_rows = single if dtype == torch.float32 else double
         self._mkl_threads = threads
@@ -353,9 +352,9 @@ def _library(text: str) -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=512)
-def _load_source(text: str, inputs: int, outputs: int, dtype: torch.dtype) -> Kernel | None:
+def _load_source(text: str, dtype: torch.dtype) -> Kernel | None:
     library = _library(text)
-    return None if library is None else Kernel(library, inputs, outputs, dtype)
+    return None if library is None else Kernel(library, dtype)
 
 
 def _compile(compiler: str, text: str, folder: Path, target: Path) -> None:
@@ -377,4 +376,4 @@ def _warn_once(reason: str) -> None:
 
 def load(traced: Traced, dtype: torch.dtype) -> Kernel | None:
     """The compiled kernel of ``traced`` for ``dtype`` (built on first use), or ``None`` without a compiler."""
-    return _load_source(source(traced, dtype), len(traced.graph.inputs), len(traced.outputs), dtype)
+    return _load_source(source(traced, dtype), dtype)

@@ -27,7 +27,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrappe
 
 from fadam._base import add_update
 from fadam._cpu_kernel import KERNEL_DTYPES, load
-from fadam._dispatch import PLAIN_TYPES, functorch_wrapped, is_plain
+from fadam._dispatch import PLAIN_TYPES, functorch_wrapped, is_plain, real_view
 from fadam._program import (
     Elementwise,
     Program,
@@ -41,6 +41,7 @@ from fadam._program import (
     with_state_at,
 )
 from fadam._tree import PyTree, check_leaves, tree_paths
+from fadam.combinators._masking import _select
 
 Leaves = list[torch.Tensor | None]
 
@@ -98,10 +99,6 @@ def segments(program: Program) -> list[Segment]:
     return found
 
 
-def _real(x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(x) if x.is_complex() else x
-
-
 _KERNEL_PARAM_DTYPES = frozenset({*KERNEL_DTYPES, torch.complex64, torch.complex128})
 
 
@@ -147,7 +144,7 @@ def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], 
             return "autograd or torch.func records it" if tensor.requires_grad else "wrapped by torch.func"
         if not tensor.is_contiguous():
             return "not contiguous"
-    dtype = _real(p).dtype
+    dtype = real_view(p).dtype
     if p.dim() == 0 and dtype != torch.float64:
         return "a 0-d leaf, which computes with float64 scalars"
     if dtype not in KERNEL_DTYPES:
@@ -187,7 +184,7 @@ def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> di
         trees = [getattr(stage_state, slot.name) for slot in stage.decl.slots]
         if stage.selections:
             selected = leaf_selection(stage, params)
-            like = optree.tree_structure(_masked_tree(params, selected), none_is_leaf=True)
+            like = optree.tree_structure(_select(params, selected), none_is_leaf=True)
             positions: list[int | None] = []
             count = 0
             for flag in selected:
@@ -210,13 +207,6 @@ def _same_place(slot: Any, reference: Any) -> bool:
     if reference is None or not isinstance(slot, torch.Tensor):
         return reference is None or slot is None
     return slot.shape == reference.shape and slot.device == reference.device
-
-
-def _masked_tree(params: PyTree, selected: list[bool]) -> PyTree:
-    from fadam.combinators._masking import MaskedNode
-
-    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
-    return spec.unflatten([leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
 
 
 class _Step(NamedTuple):
@@ -277,10 +267,10 @@ def _run(
     # gradients of another dtype than their params: chain casts them first, which the eager path does
     if params is not None and any(g is not None and g.dtype != p.dtype for g, p in zip(grad_leaves, param_leaves)):
         return None
-    if stage_leaves is None or not _any_kernel_leaf(program, param_leaves, grad_leaves, stage_leaves):
+    parts = segments(program)
+    if stage_leaves is None or not _any_kernel_leaf(parts, param_leaves, grad_leaves, stage_leaves):
         return None
     step = _Step(list(param_leaves), list(grad_leaves), list(param_leaves), [False] * len(param_leaves), stage_leaves)
-    parts = segments(program)
     for number, part in enumerate(parts):
         if part.opaque:
             stage = part.stages[0]
@@ -321,11 +311,11 @@ def _slots_of(part: Segment, leaves: dict[tuple, _StageLeaves], i: int) -> list[
     return found
 
 
-def _any_kernel_leaf(program: Program, params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves]) -> bool:
+def _any_kernel_leaf(parts: list[Segment], params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves]) -> bool:
     if torch.compiler.is_compiling():  # ctypes calls cannot be traced
         return False
     grad_enabled = torch.is_grad_enabled()
-    first = next((part for part in segments(program) if not part.opaque), None)
+    first = next((part for part in parts if not part.opaque), None)
     return first is not None and any(
         ready(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled)
         for i, (p, g) in enumerate(zip(params, grads))
@@ -409,11 +399,11 @@ def _run_kernel(
 ) -> None:
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(tuple(decls), applies)
-    values = scalar_values(decls, [scalars[k] for k in chosen], traced.graph)
+    values = scalar_values([scalars[k] for k in chosen], traced.graph)
     leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i in members:
-        by_dtype.setdefault(_real(_reference(step, i)).dtype, []).append(i)
+        by_dtype.setdefault(real_view(_reference(step, i)).dtype, []).append(i)
     for dtype, group in by_dtype.items():
         kernel = load(traced, dtype)
         if kernel is None:
@@ -430,7 +420,7 @@ def _run_kernel(
             slot_out = slot_in if donate else [torch.empty_like(t) for t in slot_in]
             final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
             row = [u, *([p] if traced.reads_params else []), *slot_in, *slot_out, final]
-            rows.append([_real(t) for t in row] if u.is_complex() else row)
+            rows.append([real_view(t) for t in row] if u.is_complex() else row)
             written.append((where, slot_out, final))
         kernel.run(rows, values, leaf_values)
         for i, (where, slot_out, final) in zip(group, written):

@@ -33,7 +33,7 @@ import optree
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._dispatch import is_plain
+from fadam._dispatch import is_plain, real_view
 from fadam._numerics import dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._validation import check_state
@@ -193,7 +193,7 @@ EAGER = EagerOps()
 
 
 def _as_real(x: torch.Tensor | None) -> torch.Tensor | None:
-    return torch.view_as_real(x) if x is not None and x.is_complex() else x
+    return None if x is None else real_view(x)
 
 
 def _leaf_scalars(scalars: Scalars, leaf: torch.Tensor, cache: dict) -> _Namespace:
@@ -324,13 +324,11 @@ def with_program(init: Callable, update: Callable, program: Program) -> Gradient
 
 def leaf_selection(stage: Stage, params: PyTree) -> list[bool]:
     """Which of ``params``' leaves ``stage`` applies to."""
-    from fadam.combinators._masking import MaskedNode  # combinators build on this module
+    from fadam.combinators._masking import _select  # combinators build on this module
 
-    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
-    selected = [True] * len(leaves)
+    selected = [True] * optree.tree_structure(params, none_is_leaf=True).num_leaves
     for selection in stage.selections:
-        tree = spec.unflatten([leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
-        flags = iter(selection(tree))
+        flags = iter(selection(_select(params, selected)))
         selected = [keep and next(flags) for keep in selected]
     return selected
 
@@ -451,16 +449,17 @@ class Graph:
         return node
 
     def scalar(self, name: str) -> Node:
-        if name not in self._scalar_nodes:
-            self.scalars.append(name)
-            self._scalar_nodes[name] = Node(self, "scalar", value=len(self.scalars) - 1, elementwise=False)
-        return self._scalar_nodes[name]
+        return self._named(name, "scalar", self.scalars)
 
     def leaf_scalar(self, name: str) -> Node:
         """A scalar with a value per leaf (a leaf reduction's)."""
+        return self._named(name, "leaf_scalar", self.leaf_scalars)
+
+    def _named(self, name: str, op: str, names: list[str]) -> Node:
+        """The node of a named scalar, created on first use; ``value`` is its index in ``names``."""
         if name not in self._scalar_nodes:
-            self.leaf_scalars.append(name)
-            self._scalar_nodes[name] = Node(self, "leaf_scalar", value=len(self.leaf_scalars) - 1, elementwise=False)
+            names.append(name)
+            self._scalar_nodes[name] = Node(self, op, value=len(names) - 1, elementwise=False)
         return self._scalar_nodes[name]
 
     def lift(self, value: Any) -> Node:
@@ -527,7 +526,6 @@ class Traced(NamedTuple):
 
     graph: Graph
     reads_params: bool
-    slot_counts: tuple[int, ...]  # slots of each stage, in order
     outputs: tuple[Node, ...]  # new slots of every stage in order, then the update (or the new param, applying)
     applies: bool  # the last output is p + u, the new param
 
@@ -555,7 +553,7 @@ def trace(decls: tuple[Elementwise, ...], applies: bool) -> Traced:
         u = graph.lift(result[0])
         outputs.extend(graph.lift(r) for r in result[1:])
     outputs.append(graph.apply("add", p, u) if applies else u)
-    return Traced(graph, reads_params, tuple(len(d.slots) for d in decls), tuple(outputs), applies)
+    return Traced(graph, reads_params, tuple(outputs), applies)
 
 
 def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:
@@ -568,7 +566,7 @@ def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:
     return names, leaf_names
 
 
-def scalar_values(decls: Sequence[Elementwise], per_stage: Sequence[Scalars], graph: Graph) -> list[float]:
+def scalar_values(per_stage: Sequence[Scalars], graph: Graph) -> list[float]:
     """The values of a traced graph's scalars, in the graph's order, as doubles (a kernel casts them once)."""
     values = []
     for name in graph.scalars:

@@ -6,9 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-
-def _as_real(x: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(x) if x.is_complex() else x
+from fadam._dispatch import real_view
 
 
 def map_moments(
@@ -31,7 +29,7 @@ def map_moments(
             for out, leaf in zip(new_moments, leaves):
                 out.append(leaf)
             continue
-        u, *new = fn(_as_real(g), *[_as_real(leaf) for leaf in leaves])
+        u, *new = fn(real_view(g), *[real_view(leaf) for leaf in leaves])
         if g.is_complex():
             u = torch.view_as_complex(u.contiguous()) if not u.is_complex() else u
             new = [torch.view_as_complex(n.contiguous()) if leaf.is_complex() else n for n, leaf in zip(new, leaves)]
