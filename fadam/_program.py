@@ -47,6 +47,8 @@ class Slot(NamedTuple):
     name: str
     dtype: torch.dtype | None = None
     requires_grad: bool = False  # created as leaves that autograd tracks (meta-gradients into the initial state)
+    # the body keeps it >= 0 once it is (from init on): quantized storage gives it the non-negative map
+    nonnegative: bool = False
 
 
 class Elementwise(NamedTuple):

@@ -133,8 +133,8 @@ def scale_by_adam(
         numer = mu * s.mu_weight + g_mu * s.g_weight if nesterov else mu / s.bc1
         return (numer / denom, mu, nu, *nu_max)
 
-    slots = (Slot("mu", mu_dtype, moment_requires_grad), Slot("nu", nu_dtype, moment_requires_grad))
+    slots = (Slot("mu", mu_dtype, moment_requires_grad), Slot("nu", nu_dtype, moment_requires_grad, nonnegative=True))
     if amsgrad:
-        slots += (Slot("nu_max", nu_dtype, moment_requires_grad),)
+        slots += (Slot("nu_max", nu_dtype, moment_requires_grad, nonnegative=True),)
     state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
     return elementwise(Elementwise("scale_by_adam", state_type, slots, True, prologue, body))

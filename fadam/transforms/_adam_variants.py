@@ -176,7 +176,7 @@ def scale_by_radam(
         adaptive = s.bc2_sqrt / (o.sqrt(nu) + s.eps)
         return o.where(s.rectify, mu_hat * adaptive * s.rect, mu_hat), mu, nu
 
-    slots = (Slot("mu"), Slot("nu"))
+    slots = (Slot("mu"), Slot("nu", nonnegative=True))
     return elementwise(Elementwise("scale_by_radam", ScaleByRadamState, slots, True, prologue, body))
 
 
@@ -221,5 +221,5 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
         nu = o.maximum(nu * s.b2, o.abs(g) + s.eps)
         return mu / nu / s.bc1, mu, nu
 
-    slots = (Slot("mu"), Slot("nu"))
+    slots = (Slot("mu"), Slot("nu", nonnegative=True))
     return elementwise(Elementwise("scale_by_adamax", ScaleByAdamaxState, slots, True, prologue, body))

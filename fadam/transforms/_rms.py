@@ -78,7 +78,8 @@ def scale_by_rms(
         nu = o.addcmul(nu * s.decay, g, g, s.one_minus_decay)
         return _scale(o, s, g, nu, eps_in_sqrt), nu
 
-    decl = Elementwise("scale_by_rms", ScaleByRmsState, (Slot("nu"),), False, prologue, body)
+    nu = Slot("nu", nonnegative=decay <= 1 and initial_scale >= 0)  # an average of squares from a non-negative start
+    decl = Elementwise("scale_by_rms", ScaleByRmsState, (nu,), False, prologue, body)
     return _declared(decl, init)
 
 
@@ -126,7 +127,8 @@ def scale_by_stddev(
         mu = o.lerp(mu, g, s.one_minus_decay)
         return _scale(o, s, g, o.addcmul(nu, mu, mu, -1.0), eps_in_sqrt), mu, nu  # v - m^2 as torch.optim
 
-    decl = Elementwise("scale_by_stddev", ScaleByRStdDevState, (Slot("mu"), Slot("nu")), False, prologue, body)
+    nu = Slot("nu", nonnegative=decay <= 1 and initial_scale >= 0)
+    decl = Elementwise("scale_by_stddev", ScaleByRStdDevState, (Slot("mu"), nu), False, prologue, body)
     return _declared(decl, init)
 
 
@@ -174,5 +176,6 @@ def scale_by_rss(
         u = _scale(o, s, g, total, eps_in_sqrt)
         return (o.where(total > 0, u, 0.0) if eps_in_sqrt else u), total
 
-    decl = Elementwise("scale_by_rss", ScaleByRssState, (Slot("sum_of_squares"),), False, prologue, body)
+    slots = (Slot("sum_of_squares", nonnegative=True),)  # the initial value is checked non-negative
+    decl = Elementwise("scale_by_rss", ScaleByRssState, slots, False, prologue, body)
     return _declared(decl, init)
