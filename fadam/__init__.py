@@ -31,11 +31,14 @@ from fadam._tree import (
     tree_zeros_like,
 )
 from fadam.aliases import (
+    adabelief,
     adafactor,
     adagrad,
     adam,
     adamax,
     adamw,
+    ademamix,
+    adopt,
     lamb,
     lion,
     nadam,
@@ -45,6 +48,7 @@ from fadam.aliases import (
     sgd,
     sign_sgd,
     signum,
+    yogi,
 )
 from fadam.bridge import Optimizer, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
@@ -74,7 +78,7 @@ from fadam.paging import (
     paged_adamw8bit,
 )
 from fadam.quantization import QuantizedArray, QuantizedState, quantize_state
-from fadam.quantization._aliases import adam4bit, adam8bit, adamw4bit, adamw8bit, lion8bit, sgd8bit
+from fadam.quantization._aliases import adam4bit, adam8bit, adamw4bit, adamw8bit, ademamix8bit, lion8bit, sgd8bit
 from fadam.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -100,7 +104,11 @@ from fadam.transforms._adam_variants import (
     scale_by_nadam,
     scale_by_radam,
 )
+from fadam.transforms._ademamix import ScaleByAdemamixState, scale_by_ademamix
+from fadam.transforms._adopt import ScaleByAdoptState, scale_by_adopt
+from fadam.transforms._belief import ScaleByBeliefState, scale_by_belief
 from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
+from fadam.transforms._cautious import cautious
 from fadam.transforms._clipping import clip, clip_by_block_rms, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
@@ -116,6 +124,7 @@ from fadam.transforms._rms import (
 )
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
 from fadam.transforms._sign import scale_by_sign
+from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
 
 global_norm = tree_global_norm
 
@@ -137,7 +146,10 @@ torch.serialization.add_safe_globals(
         QuantizedState,
         ScaleByAdamState,
         ScaleByAdamaxState,
+        ScaleByAdemamixState,
+        ScaleByAdoptState,
         ScaleByAmsgradState,
+        ScaleByBeliefState,
         ScaleByLionState,
         ScaleByNadamState,
         ScaleByRStdDevState,
@@ -145,6 +157,7 @@ torch.serialization.add_safe_globals(
         ScaleByRmsState,
         ScaleByRssState,
         ScaleByScheduleState,
+        ScaleByYogiState,
         TraceState,
         ZeroNansState,
     ]
@@ -178,7 +191,10 @@ __all__ = [
     "ScalarOrSchedule",
     "ScaleByAdamState",
     "ScaleByAdamaxState",
+    "ScaleByAdemamixState",
+    "ScaleByAdoptState",
     "ScaleByAmsgradState",
+    "ScaleByBeliefState",
     "ScaleByLionState",
     "ScaleByNadamState",
     "ScaleByRStdDevState",
@@ -186,10 +202,12 @@ __all__ = [
     "ScaleByRmsState",
     "ScaleByRssState",
     "ScaleByScheduleState",
+    "ScaleByYogiState",
     "Schedule",
     "Sharded",
     "TraceState",
     "ZeroNansState",
+    "adabelief",
     "adafactor",
     "adagrad",
     "adam",
@@ -201,8 +219,12 @@ __all__ = [
     "adamw8bit",
     "add_decayed_weights",
     "add_decoupled_weight_decay",
+    "ademamix",
+    "ademamix8bit",
+    "adopt",
     "apply_if_finite",
     "apply_updates",
+    "cautious",
     "chain",
     "clip",
     "clip_by_block_rms",
@@ -243,6 +265,9 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_adamax",
+    "scale_by_ademamix",
+    "scale_by_adopt",
+    "scale_by_belief",
     "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
@@ -255,6 +280,7 @@ __all__ = [
     "scale_by_sign",
     "scale_by_stddev",
     "scale_by_trust_ratio",
+    "scale_by_yogi",
     "schedules",
     "selective_transform",
     "set_to_zero",
@@ -285,5 +311,6 @@ __all__ = [
     "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
     "warmup_exponential_decay_schedule",
+    "yogi",
     "zero_nans",
 ]

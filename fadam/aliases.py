@@ -6,13 +6,19 @@ and ``signum``, which torch.optim lacks, with optax's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
 from fadam._fused import fused_adagrad_step, fused_adam_step, fused_sgd_step
+from fadam._tree import PyTree
 from fadam.combinators._chain import chain
 from fadam.transforms._adam import scale_by_adam
 from fadam.transforms._adam_variants import scale_by_adamax, scale_by_nadam, scale_by_radam
+from fadam.transforms._ademamix import scale_by_ademamix
+from fadam.transforms._adopt import scale_by_adopt
+from fadam.transforms._belief import scale_by_belief
 from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
 from fadam.transforms._clipping import clip_by_block_rms
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
@@ -23,6 +29,7 @@ from fadam.transforms._rms import scale_by_rms, scale_by_rss, scale_by_stddev
 from fadam.transforms._scaling import scale, scale_by_learning_rate
 from fadam.transforms._sign import scale_by_sign
 from fadam.transforms._validation import check_unit_interval, known_value
+from fadam.transforms._yogi import scale_by_yogi
 
 
 def _value(x: float | torch.Tensor, name: str) -> float:
@@ -768,3 +775,181 @@ def adafactor(
         transforms.append(add_decayed_weights(weight_decay_rate))
     transforms.append(scale(-1.0))
     return chain(*transforms)
+
+
+def adopt(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.9999,
+    eps: float | torch.Tensor = 1e-6,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = False,
+    use_clipping: bool = True,
+    clip_value_fn: Callable[[torch.Tensor], float | torch.Tensor] | None = None,
+) -> GradientTransformation:
+    r"""ADOPT: Adam with the gradient normalized by the previous second moment before the momentum (optax's
+    ``contrib.adopt``).
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1)\operatorname{clip}_{c_t}\!\left(\frac{g_t}{\max(\sqrt{v_{t-1}},
+        \epsilon)}\right),\quad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2,\quad p_t = p_{t-1} - \eta_t m_t
+
+    ``chain(scale_by_adopt, scale_by_learning_rate)``; the first step initialises :math:`v` and leaves the params.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        b1: decay of the momentum.
+        b2: decay of the second moment (the paper's 0.9999 default works across values, its point).
+        eps: lower bound of the square root of the second moment.
+        mu_dtype: dtype of the momentum (default: the param's).
+        nesterov: Nesterov momentum.
+        use_clipping: clip the normalized gradient to :math:`\pm c_t` (recommended from scratch).
+        clip_value_fn: :math:`c_t` from the steps taken so far (a 0-d float64 tensor); default
+            :math:`t^{1/4}`.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adopt(0.1)
+        >>> params = [torch.zeros(2)]
+        >>> u, state = tx.update([torch.tensor([2.0, -1.0])], tx.init(params), params)
+        >>> tx.update([torch.tensor([1.0, -1.0])], state, params)[0]
+        [tensor([-0.0050,  0.0100])]
+
+    References:
+        Taniguchi et al., "ADOPT: Modified Adam Can Converge with Any beta2 with the Optimal Rate", NeurIPS 2024.
+        optax's ``optax.contrib.adopt`` (0.2.8).
+    """
+    _check_lr(learning_rate)
+    clipping = {} if clip_value_fn is None else {"clip_value_fn": clip_value_fn}
+    return chain(
+        scale_by_adopt(b1, b2, eps, mu_dtype, nesterov=nesterov, use_clipping=use_clipping, **clipping),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def ademamix(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    b3: ScalarOrSchedule = 0.9999,
+    alpha: ScalarOrSchedule = 5.0,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    weight_decay: float | torch.Tensor = 0.0,
+    mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+) -> GradientTransformation:
+    r"""AdEMAMix: AdamW whose momentum is mixed with a slow one (optax's ``contrib.ademamix``).
+
+    .. math::
+        p_t = p_{t-1} - \eta_t\left(\frac{m^{(1)}_t/(1-\beta_1^t) + \alpha\, m^{(2)}_t}
+        {\sqrt{v_t/(1-\beta_2^t) + \bar\epsilon} + \epsilon} + \lambda p_{t-1}\right)
+
+    ``chain(scale_by_ademamix, add_decayed_weights(weight_decay, mask), scale_by_learning_rate)``, optax's order: the
+    decay is scaled by the learning rate.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        b1: decay of the fast momentum.
+        b2: decay of the second moment.
+        b3: decay of the slow momentum (a number or a schedule; the paper warms it up on long runs).
+        alpha: weight of the slow momentum (a number or a schedule).
+        eps: added to the denominator outside the square root.
+        eps_root: added inside the square root (meta-gradients).
+        mu_dtype: dtype of the moments (default: the param's).
+        weight_decay: the decay :math:`\lambda`.
+        mask: the params to decay: a bool tree (or prefix) or a callable of the params (``None``: all).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.ademamix(0.1, b3=0.5, alpha=2.0)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([1.0, -4.0])], tx.init(params), params)[0]
+        [tensor([-0.2000,  0.2000])]
+
+    References:
+        Pagliardini et al., "The AdEMAMix Optimizer: Better, Faster, Older", 2024.
+        optax's ``optax.contrib.ademamix`` (0.2.8).
+    """
+    _check_lr(learning_rate)
+    decay = [add_decayed_weights(weight_decay, mask)] if _has_decay(weight_decay) else []
+    return chain(
+        scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype), *decay, scale_by_learning_rate(learning_rate)
+    )
+
+
+def yogi(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-3,
+) -> GradientTransformation:
+    r"""Yogi: Adam whose second moment moves additively, so its effective step cannot grow fast (optax's ``yogi``).
+
+    .. math::
+        v_t = v_{t-1} - (1-\beta_2)\operatorname{sign}(v_{t-1} - g_t^2)\, g_t^2,\qquad
+        p_t = p_{t-1} - \eta_t \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
+
+    ``chain(scale_by_yogi, scale_by_learning_rate)``; both moments start at 1e-6 as in optax.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        b1: decay of the first moment.
+        b2: rate of the second moment's update.
+        eps: added to the denominator (1e-3, the paper's and optax's).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.yogi(0.1)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([3.0, -0.5])], tx.init(params), params)[0]
+        [tensor([-0.1000,  0.0996])]
+
+    References:
+        Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
+        optax's ``optax.yogi`` (0.2.8).
+    """
+    _check_lr(learning_rate)
+    return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))
+
+
+def adabelief(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-16,
+    eps_root: float | torch.Tensor = 1e-16,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    r"""AdaBelief: Adam whose second moment is that of the gradient's distance from its average (optax's
+    ``adabelief``).
+
+    .. math::
+        s_t = \beta_2 s_{t-1} + (1-\beta_2)(g_t - m_t)^2 + \epsilon_{root},\qquad
+        p_t = p_{t-1} - \eta_t \frac{m_t/(1-\beta_1^t)}{\sqrt{s_t/(1-\beta_2^t)} + \epsilon}
+
+    ``chain(scale_by_belief, scale_by_learning_rate)``.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        b1: decay of the first moment.
+        b2: decay of the second moment of the prediction error.
+        eps: added to the denominator outside the square root.
+        eps_root: added to the second moment at every step.
+        nesterov: Nesterov momentum in the numerator.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adabelief(0.1)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([1.0, -2.0])], tx.init(params), params)[0][0].round(decimals=4)
+        tensor([-0.1111,  0.1111])
+
+    References:
+        Zhuang et al., "AdaBelief Optimizer: Adapting Stepsizes by the Belief in Observed Gradients", NeurIPS 2020.
+        optax's ``optax.adabelief`` (0.2.8).
+    """
+    _check_lr(learning_rate)
+    return chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), scale_by_learning_rate(learning_rate))

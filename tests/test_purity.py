@@ -147,6 +147,19 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
         lambda: fadam.trace(0.9, nesterov=True),
         lambda: fadam.trace(0.9, dampening=0.5, accumulator_dtype=torch.float64),
     ],
+    "adabelief": [lambda: fadam.adabelief(1e-2), lambda: fadam.adabelief(_half_lr, nesterov=True)],
+    "ademamix": [lambda: fadam.ademamix(1e-2, weight_decay=0.1), lambda: fadam.ademamix(1e-2, alpha=_half_lr)],
+    "ademamix8bit": [lambda: fadam.ademamix8bit(1e-2, min_size=0)],
+    "adopt": [lambda: fadam.adopt(1e-2), lambda: fadam.adopt(_half_lr, nesterov=True, use_clipping=False)],
+    "cautious": [
+        lambda: fadam.cautious(fadam.scale_by_adam()),
+        lambda: fadam.chain(fadam.cautious(fadam.scale_by_lion()), fadam.scale_by_learning_rate(1e-2)),
+    ],
+    "scale_by_ademamix": [fadam.scale_by_ademamix, lambda: fadam.scale_by_ademamix(b3=_half_lr, eps_root=1e-8)],
+    "scale_by_adopt": [fadam.scale_by_adopt, lambda: fadam.scale_by_adopt(mu_dtype=torch.float64)],
+    "scale_by_belief": [fadam.scale_by_belief],
+    "scale_by_yogi": [fadam.scale_by_yogi, lambda: fadam.scale_by_yogi(eps_root=1e-8)],
+    "yogi": [lambda: fadam.yogi(1e-2)],
 }
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them

@@ -15,11 +15,12 @@ from fadam.combinators._chain import chain
 from fadam.quantization._fused import fused_quantized_adam_step
 from fadam.quantization._wrapper import DEFAULT_BLOCK_SIZE, quantize_state
 from fadam.transforms._adam import scale_by_adam
+from fadam.transforms._ademamix import scale_by_ademamix
 from fadam.transforms._lion import scale_by_lion
 from fadam.transforms._momentum import trace
 from fadam.transforms._scaling import scale_by_learning_rate
 
-__all__ = ["adam4bit", "adam8bit", "adamw4bit", "adamw8bit", "lion8bit", "sgd8bit"]
+__all__ = ["adam4bit", "adam8bit", "adamw4bit", "adamw8bit", "ademamix8bit", "lion8bit", "sgd8bit"]
 
 
 def _quantized_adam(
@@ -294,6 +295,58 @@ def lion8bit(
     return chain(
         *head,
         quantize_state(lion_tx, bits=8, block_size=block_size, min_size=min_size),
+        scale_by_learning_rate(lr),
+        *tail,
+    )
+
+
+def ademamix8bit(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float, ScalarOrSchedule] = (0.9, 0.999, 0.9999),
+    alpha: ScalarOrSchedule = 5.0,
+    eps: float = 1e-8,
+    weight_decay: float | torch.Tensor = 1e-2,
+    *,
+    maximize: bool = False,
+    block_size: int | None = None,
+    min_size: int = 4096,
+) -> GradientTransformation:
+    r"""AdEMAMix with its three moments stored in 8 bits and decoupled weight decay (bitsandbytes' ``AdEMAMix8bit``).
+
+    .. math::
+        p_t = p_{t-1}(1 - \eta_t\lambda) - \eta_t\frac{\hat m^{(1)}_t/(1-\beta_1^t) + \alpha\, \hat m^{(2)}_t}
+        {\sqrt{\hat v_t/(1-\beta_2^t)} + \epsilon},\quad
+        \hat m^{(1)}, \hat m^{(2)}, \hat v \text{ computed from the dequantized state}
+
+    ``chain([scale(-1)], quantize_state(scale_by_ademamix), scale_by_learning_rate, add_decoupled_weight_decay)``.
+
+    Args:
+        lr: learning rate: a float, a 0-d tensor or a schedule.
+        betas: ``(b1, b2, b3)`` of ``scale_by_ademamix`` (``b3`` may be a schedule).
+        alpha: weight of the slow momentum (a number or a schedule).
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay, scaled by the learning rate (torch.optim.AdamW's).
+        maximize: maximize the objective.
+        block_size: elements per quantization block (default 256).
+        min_size: params with fewer elements keep float32 moments (float64 for float64 params).
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.ademamix8bit(lr=0.1, weight_decay=0.0, min_size=8)
+        >>> params = [torch.zeros(8)]
+        >>> tx.update([torch.ones(8)], tx.init(params), params)[0][0][:2]
+        tensor([-0.1000, -0.1000])
+
+    References:
+        Pagliardini et al., "The AdEMAMix Optimizer: Better, Faster, Older", 2024.
+        Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022.
+    """
+    _check_adam_args(lr, betas[:2], eps, weight_decay)
+    head, tail = _head(maximize, weight_decay, decoupled=True), _tail(lr, weight_decay, decoupled=True)
+    ademamix_tx = scale_by_ademamix(betas[0], betas[1], betas[2], alpha, eps)
+    return chain(
+        *head,
+        quantize_state(ademamix_tx, bits=8, block_size=block_size, min_size=min_size),
         scale_by_learning_rate(lr),
         *tail,
     )
