@@ -6,6 +6,7 @@ torch.optim's per-param dicts and fadam's functional state, so a run can switch 
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -13,9 +14,11 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch.optim.optimizer import _device_dtype_check_for_fused, required
 
 from fadam._base import GradientTransformation, step
 from fadam._dispatch import first_overlap
+from fadam._execute import backend
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
 from fadam.quantization import QuantizedArray
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
@@ -28,9 +31,22 @@ __all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
 
 _LR_KEYS = ("learning_rate", "lr")
+# torch.optim's implementation flags, with torch's defaults: group options of every group, never factory arguments
+_FLAGS: dict[str, bool | None] = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 # what a copy or a pickle carries besides torch.optim's defaults, state and param_groups; the transforms of factory
-# groups are rebuilt, as they read their group's lr
-_CARRIED = ("_specs", "_modes", "_base_lrs", "_given", "tx_states")
+# groups are rebuilt from their recipes and the option values they were built with
+_CARRIED = (
+    "_specs",
+    "_modes",
+    "_base_lrs",
+    "_given",
+    "tx_states",
+    "_recipes",
+    "_built_with",
+    "_fresh",
+    "_flags",
+    "_shared_options",
+)
 # the optree namespace in which this module flattens dicts in insertion order: the order params were given in
 _GIVEN_ORDER = "fadam.bridge"
 
@@ -71,17 +87,30 @@ def _injected_lr(state: PyTree) -> torch.Tensor | None:
     return found[0] if found else None
 
 
-def _with_injected_lr(state: PyTree, lr: float) -> PyTree:
+def _with_injected_lr(state: PyTree, lr: float | torch.Tensor) -> PyTree:
     def replace(node: Any) -> Any | None:
         hyperparams = getattr(node, "hyperparams", None)
         if not isinstance(hyperparams, dict) or not any(k in hyperparams for k in _LR_KEYS):
             return None
         key = next(k for k in _LR_KEYS if k in hyperparams)
-        old = hyperparams[key]
-        value = torch.as_tensor(lr, dtype=old.dtype, device=old.device) if isinstance(old, torch.Tensor) else lr
-        return node._replace(hyperparams={**hyperparams, key: value})
+        return node._replace(hyperparams={**hyperparams, key: _stored_like(lr, hyperparams[key])})
 
     return _map_states(state, replace)
+
+
+def _with_injected(state: PyTree, values: dict[str, Any]) -> PyTree:
+    """``state`` with each of ``values`` written over the injected hyperparameter of that name, where the group's
+    factory is an ``inject_hyperparams`` one: its transform reads them from its state, not from its arguments."""
+    hyperparams = getattr(state, "hyperparams", None)
+    if not isinstance(hyperparams, dict) or not any(name in hyperparams for name in values):
+        return state
+    written = {name: _stored_like(values[name], old) for name, old in hyperparams.items() if name in values}
+    return state._replace(hyperparams={**hyperparams, **written})
+
+
+def _stored_like(value: Any, old: Any) -> Any:
+    """``value`` in the dtype and on the device of the injected hyperparameter ``old`` it replaces."""
+    return torch.as_tensor(value, dtype=old.dtype, device=old.device) if isinstance(old, torch.Tensor) else value
 
 
 # --- where each leaf of a functional state belongs ------------------------------------------------------------------
@@ -156,6 +185,14 @@ def _slots(state: PyTree, params_spec: optree.PyTreeSpec) -> list[_Slot]:
     return slots
 
 
+def _leaf_layout(leaves: list[Any], slots: list[_Slot]) -> list[tuple[Any, ...]]:
+    """What a state's leaves hold, in order: whose and which field, shape and dtype (not where in the chain)."""
+    return [
+        (slot.param, slot.owner, slot.field, tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", type(leaf)))
+        for leaf, slot in zip(leaves, slots)
+    ]
+
+
 def _checked(where: str, new: Any, old: Any) -> Any:
     """``new``, checked to replace the state leaf ``old`` (same kind, shape and dtype), copied to ``old``'s device."""
     if old is None or not isinstance(old, torch.Tensor):
@@ -223,13 +260,182 @@ def _labelled(params: Sequence[Any], names: Sequence[Any] | None) -> list[tuple[
     return [(path_str((names[i] if names is not None else i,)), p) for i, p in enumerate(params)]
 
 
+# --- group options: a factory's arguments and torch.optim's flags, read from each param group -------------------------
+
+
+class _Recipe(NamedTuple):
+    """How a factory group's transform is built: ``factory(<lr_name>=<the group's lr>, **options)``."""
+
+    factory: Callable[..., GradientTransformation]
+    lr_name: str  # "lr", or "learning_rate" for the factories that take it so (sign_sgd)
+    names: tuple[str, ...]  # the group options handed to the factory: its other named arguments
+
+
+def _factory_name(factory: Callable[..., Any]) -> str:
+    inner = getattr(factory, "func", factory)  # a functools.partial names its function
+    return getattr(inner, "__qualname__", type(inner).__name__)
+
+
+def _recipe(factory: Callable[..., Any], given: Iterable[str] = ()) -> tuple[_Recipe, dict[str, Any]]:
+    """``factory``'s recipe and its options' defaults (torch.optim's ``required`` for one without). ``given`` are
+    option names passed to ``fadam.Optimizer``: a factory taking ``**kwargs`` takes them as options too; otherwise
+    one it does not take is refused."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable that Python cannot inspect: it is called with lr only
+        parameters = {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {name: p for name, p in parameters.items() if p.kind in kinds}
+    lr_name = "lr" if "lr" in named or "learning_rate" not in named else "learning_rate"
+    defaults = {
+        name: required if p.default is inspect.Parameter.empty else p.default
+        for name, p in named.items()
+        if name != lr_name and name not in _FLAGS
+    }
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [name for name in given if name not in defaults]
+    if unknown and not takes_kwargs:
+        raise TypeError(
+            f"{_factory_name(factory)} takes no option {', '.join(map(repr, unknown))}; its options are "
+            f"{', '.join(defaults) or 'none'} (and lr, foreach, fused, capturable, differentiable)"
+        )
+    return _Recipe(factory, lr_name, (*defaults, *unknown)), defaults
+
+
+def _option_values(group: dict[str, Any], recipe: _Recipe, where: str) -> dict[str, Any]:
+    missing = [name for name in recipe.names if name not in group]
+    if missing:
+        raise ValueError(f"{where} lacks the option {missing[0]!r} of {_factory_name(recipe.factory)}")
+    return {name: group[name] for name in recipe.names}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether option values ``a`` and ``b`` build the same transform: equal numbers, flags and tuples of them, the
+    same tensor (a transform reads a tensor's current value at each step)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def _kind(value: Any) -> Any:
+    """What an option's value decides of a factory's chain, as fadam's factories branch on their arguments: its type,
+    and for a number whether it is 0 (``weight_decay=0`` adds no decay transform); a flag or any other value as it is.
+    Values of one kind build transforms whose states have one layout."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_kind(x) for x in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value), value == 0
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor, value.dtype, value.device
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return value
+
+
+def _live_lr(group: dict[str, Any]) -> Callable[[torch.Tensor], float | torch.Tensor]:
+    """The learning-rate schedule of a factory group: its current ``lr`` at each step (a tensor as it is in a
+    differentiable group, so that gradients reach it)."""
+
+    def lr(count: torch.Tensor) -> float | torch.Tensor:
+        value = group["lr"]
+        return value if group["differentiable"] and isinstance(value, torch.Tensor) else _lr_value(value)
+
+    return lr
+
+
+def _build(recipe: _Recipe, values: dict[str, Any], group: dict[str, Any], where: str) -> GradientTransformation:
+    """The transform of a factory group for option ``values``; the factory's own checks name the group."""
+    try:
+        tx = recipe.factory(**{recipe.lr_name: _live_lr(group)}, **values)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{where}: {error}") from error
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"{where}: tx(lr=...) returned a {type(tx).__name__}, expected a GradientTransformation")
+    return tx
+
+
+def _flags_of(group: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(group[name] for name in _FLAGS)
+
+
+def _check_flags(group: dict[str, Any], where: str) -> None:
+    """torch.optim's checks of ``foreach``, ``fused``, ``capturable`` and ``differentiable``, with its messages, and
+    fadam's limit of ``capturable`` (its step counts live on the CPU)."""
+    for name, default in _FLAGS.items():
+        value = group[name]
+        if not (isinstance(value, bool) or (default is None and value is None)):
+            raise TypeError(f"{where}: {name} must be a bool{' or None' if default is None else ''}, got {value!r}")
+    if group["fused"] and group["differentiable"]:
+        raise RuntimeError(f"{where}: `fused` does not support `differentiable`")
+    if group["fused"] and group["foreach"]:
+        raise RuntimeError(f"{where}: `fused` and `foreach` cannot be `True` together.")
+    if group["foreach"] and group["differentiable"]:
+        raise RuntimeError(
+            f"{where}: `foreach` and `differentiable` cannot be `True` together (_foreach ops don't support autograd)"
+        )
+    for p in group["params"]:
+        if group["fused"]:
+            try:
+                _device_dtype_check_for_fused(p)
+            except RuntimeError as error:
+                raise RuntimeError(f"{where}: {error}") from None
+        if group["capturable"] and p.device.type != "cpu":
+            raise ValueError(
+                f"{where}: capturable=True needs the step counts on the params' device; fadam keeps them on the CPU "
+                f"(no host sync on any device, but not capturable in a CUDA graph), so it takes CPU params only, got "
+                f"a param on {p.device}"
+            )
+
+
+def _backend_of(group: dict[str, Any]) -> str:
+    """The fadam backend that stands for the group's torch.optim implementation flags: ``fused`` torch's fused
+    kernel where the alias has one, else fadam's generated kernel ("auto"); ``foreach`` one call over all the group's
+    leaves, never torch's fused kernels ("kernel"); the for-loop (``foreach=False`` or ``fused=False``) and
+    ``differentiable`` torch ops per param ("eager"); neither set: "auto"."""
+    if group["differentiable"]:
+        return "eager"
+    if group["fused"]:
+        return "auto"
+    if group["foreach"]:
+        return "kernel"
+    if group["foreach"] is False or group["fused"] is False:
+        return "eager"
+    return "auto"
+
+
+def _default_options(tx: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer-wide values of the default factory's options: its own defaults, overridden by those given."""
+    if isinstance(tx, GradientTransformation):
+        if options:
+            raise TypeError(
+                f"{', '.join(map(repr, options))} are options of a transform factory, and a ready transform is built "
+                "with its own: pass a factory (fadam.adam, not fadam.adam(...)) to set them"
+            )
+        return {}
+    if not callable(tx):
+        return {}  # refused with the group
+    _, defaults = _recipe(tx, options)
+    return {**defaults, **options}
+
+
+def _saved_options(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved param group's options: what torch.optim loads into the group, all but its params and fadam's state."""
+    return {k: v for k, v in saved.items() if k not in ("params", "param_names", "tx_state")}
+
+
 class Optimizer(torch.optim.Optimizer):
     r"""A ``torch.optim.Optimizer`` that runs a fadam transform: for module-based training loops.
 
     ``params`` is what torch.optim accepts: ``model.parameters()``, ``model.named_parameters()`` (the names become
     the keys of the pytree the transform sees, so masks and ``partition`` labels can use them) or a list of param-group
-    dicts, each of which may carry its own ``tx`` and ``lr``. ``step`` updates the params in place, as torch.optim
-    does (through ``fadam.step(..., donate=True)``, so the aliases with a fused torch kernel run it).
+    dicts, each of which may carry its own ``tx``, ``lr`` and options. ``step`` updates the params in place, as
+    torch.optim does (through ``fadam.step(..., donate=True)``, so the aliases with a fused torch kernel run it).
 
     A param listed twice in a group is stepped once, with a warning (torch.optim warns too, and its for-loop, foreach
     and fused Adam then give three different results); two different params whose memory overlaps (views of one
@@ -239,9 +445,10 @@ class Optimizer(torch.optim.Optimizer):
     ``param_groups[i]["lr"]`` drives the step, so every ``torch.optim.lr_scheduler`` works. How it reaches the
     transform depends on what ``tx`` is:
 
-    - a **factory** (``fadam.adamw``, ``functools.partial(fadam.sgd, momentum=0.9)``, any callable taking ``lr``):
-      it is built with a learning-rate schedule that reads the group's current ``lr``. Exact: this is the way to
-      follow a torch.optim optimizer and its scheduler step for step. Needs ``lr``.
+    - a **factory** (``fadam.adamw``, ``functools.partial(fadam.sgd, momentum=0.9)``, any callable taking ``lr``,
+      or ``learning_rate`` as ``fadam.sign_sgd`` does): it is built with a learning-rate schedule that reads the
+      group's current ``lr``. Exact: this is the way to follow a torch.optim optimizer and its scheduler step for
+      step. Needs ``lr``.
     - a transform whose state holds injected hyperparameters (``fadam.inject_hyperparams``) with a ``learning_rate``
       or ``lr`` entry: the group's ``lr`` is written there before each step (and read from there by default).
     - any other transform: fadam cannot read the learning rate it was built with, so ``lr`` must be given and be that
@@ -249,30 +456,65 @@ class Optimizer(torch.optim.Optimizer):
       check it), and when a scheduler changes it the updates are multiplied by ``lr / lr_at_construction`` (exact
       while it is unchanged).
 
+    **Group options.** With a factory, every other argument it takes is a group option, as in torch.optim: each
+    ``param_groups[i]`` holds it (``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize`` for
+    ``fadam.adam``; ``momentum``, ``dampening``, ``nesterov`` for ``fadam.sgd``; ...), with the value the group sets,
+    else the one given to ``fadam.Optimizer`` (``fadam.Optimizer(params, fadam.adam, lr=1e-3, betas=(0.9, 0.99))``),
+    else the factory's default; a group's own factory takes the options given to ``fadam.Optimizer`` that it has. A
+    value written between steps (by a scheduler: ``OneCycleLR`` and ``CyclicLR`` cycle ``betas`` or ``momentum``)
+    drives the next step exactly as it would drive torch.optim's: the group's transform is rebuilt from its factory
+    when an option's value changes (a factory call, no kernel compilation) and keeps its state. A change that the
+    state's layout follows (``amsgrad``, a ``momentum`` of 0 becoming one, a ``mu_dtype``) is taken before the first
+    step and refused after it, naming the option; a chain that gains or loses a stateless member (``maximize``, a
+    coupled ``weight_decay`` of 0) keeps its state. Every group's options are read and checked (by the factory, with
+    torch.optim's messages) before any group steps. A key that the group's transform does not take is kept and
+    ignored, as by torch.optim; so are options with a ready transform, which is built with its own (passing options
+    with one to ``fadam.Optimizer`` raises).
+
+    **torch.optim's implementation flags** are group options of every group, with torch's defaults, mapped onto
+    fadam's backends (``fadam.backend``): ``fused=True`` runs torch's fused kernel where the alias has one (bit for
+    bit ``torch.optim``'s ``fused=True``), else fadam's generated kernel ("auto", as when neither flag is set);
+    ``foreach=True`` runs fadam's generated kernel, one call over all of a group's leaves, never torch's fused
+    kernels ("kernel"); ``foreach=False`` or ``fused=False``, torch's for-loop, runs torch ops per param ("eager").
+    ``fused=True`` raises as torch.optim does for a param its fused kernels do not take (not floating point, or on
+    another device), with ``foreach=True`` and with ``differentiable=True``; ``foreach=True`` with
+    ``differentiable=True`` raises too. ``differentiable=True`` steps under autograd, as torch.optim does: the params
+    (non-leaf tensors, which the optimizer then accepts) are written in place from an update computed on the eager
+    path without donation, so gradients reach the initial params, the gradients, the state and a tensor ``lr`` or
+    hyperparameter. ``capturable=True`` is accepted for CPU params, where fadam's step counts live with them and cost
+    no host sync; fadam keeps step counts on the CPU for every device, so it refuses params elsewhere. The flags are
+    checked at construction and when they change.
+
     The functional state of group ``i`` is ``optimizer.tx_states[i]``. ``state_dict`` lays it out as torch.optim
     does, by param position: ``"state"`` maps each param's index to its own leaves, keyed by their path in the state
     without the param's part (``{"state[0].mu": ..., "state[0].nu": ...}``); leaves shared by a group's params (step
-    counts, injected hyperparameters) are in ``param_groups[i]["tx_state"]``, next to ``params`` (the indices) and
-    ``param_names``. The indices are torch.optim's for the same params, named or not: the entries as given are
-    counted across groups, and a param listed twice in a group is listed twice in ``params``, with one number.
-    Tensors, numbers and strings only: it loads with ``torch.load(weights_only=True)``. ``load_state_dict`` matches
-    params by position, so named and unnamed optimizers load each other's state, checks every entry and leaf against
-    the optimizer's own state and loads nothing unless all match. It also takes a torch.optim optimizer's
-    ``state_dict`` (converted as ``fadam.state_from_torch`` does) and the older fadam layout (a list of state leaves
-    per group; only into groups with the same param names). Both run torch.optim's ``state_dict`` and
-    ``load_state_dict`` hooks, and ``step`` its step hooks. ``torch.amp.GradScaler`` works through its standard path
-    (``scaler.unscale_`` then a skipped step when a gradient is not finite).
+    counts, injected hyperparameters) are in ``param_groups[i]["tx_state"]``, next to ``params`` (the indices),
+    ``param_names`` and the group's options. The indices are torch.optim's for the same params, named or not: the
+    entries as given are counted across groups, and a param listed twice in a group is listed twice in ``params``,
+    with one number. Tensors and plain values only (numbers, strings, flags, tuples of them): it loads with
+    ``torch.load(weights_only=True)``. ``load_state_dict`` matches params by position, so named and unnamed
+    optimizers load each other's state, checks every entry and leaf against a state of the layout the saved options
+    give, and loads nothing unless all match; the saved options then replace the groups', as in torch.optim. It also
+    takes a torch.optim optimizer's ``state_dict`` (converted as ``fadam.state_from_torch`` does) and the older fadam
+    layout (a list of state leaves per group; only into groups with the same param names). Both run torch.optim's
+    ``state_dict`` and ``load_state_dict`` hooks, and ``step`` its step hooks. ``torch.amp.GradScaler`` works through
+    its standard path (``scaler.unscale_`` then a skipped step when a gradient is not finite).
 
     ``copy.deepcopy`` gives an independent optimizer: param groups and state are copied as torch.optim's are, through
     the memo (``copy.deepcopy((model, optimizer))`` steps the copied model), factories are rebuilt to read the copied
-    groups' ``lr``, and transforms are shared. ``pickle`` works when every ``tx`` pickles (a factory such as
+    groups' options, and transforms are shared. ``pickle`` works when every ``tx`` pickles (a factory such as
     ``fadam.adam`` or a ``functools.partial`` of one); fadam's ready transforms are closures, and ``pickle.dumps``
     refuses them: save ``state_dict()`` and load it into a new ``fadam.Optimizer``.
 
     Args:
-        params: params, named params or param-group dicts (keys ``params``, optional ``tx``, ``lr`` and others).
-        tx: a ``GradientTransformation`` or a factory ``tx(lr=...) -> GradientTransformation``.
+        params: params, named params or param-group dicts (keys ``params``, optional ``tx``, ``lr`` and options).
+        tx: a ``GradientTransformation`` or a factory ``tx(lr=..., **options) -> GradientTransformation``.
         lr: the learning rate of groups that do not set one (for a ready transform: the one it was built with).
+        foreach: torch.optim's ``foreach``: ``True`` for fadam's generated kernel, ``False`` for torch ops per param.
+        fused: torch.optim's ``fused``: ``True`` for the fused kernels, ``False`` for torch ops per param.
+        capturable: torch.optim's ``capturable``; CPU params only.
+        differentiable: torch.optim's ``differentiable``: steps that autograd records.
+        **options: the factory's other arguments, for the groups that do not set them.
 
     Example:
         >>> import torch, fadam
@@ -287,14 +529,31 @@ class Optimizer(torch.optim.Optimizer):
         (['state[0].mu', 'state[0].nu'], ['weight', 'bias'])
     """
 
-    def __init__(self, params: Iterable[Any], tx: TransformOrFactory, *, lr: float | torch.Tensor | None = None):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        tx: TransformOrFactory,
+        *,
+        lr: float | torch.Tensor | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        **options: Any,
+    ):
         self._txs: list[GradientTransformation] = []
         self._specs: list[TransformOrFactory] = []  # each group's tx as given
         self._modes: list[str] = []
         self._base_lrs: list[float] = []
         self._given: list[_Given] = []
+        self._recipes: list[_Recipe | None] = []  # None for a ready transform
+        self._built_with: list[dict[str, Any]] = []  # the option values each group's transform was built with
+        self._fresh: list[bool] = []  # the group's state is still the one init made: nothing stepped or loaded
+        self._flags: list[tuple[Any, ...]] = []  # the flags last checked, for each group
+        self._shared_options = options  # given here: defaults for every group whose factory takes them
         self.tx_states: list[PyTree] = []
-        super().__init__(params, {"lr": lr, "tx": tx})
+        flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
+        super().__init__(params, {"lr": lr, "tx": tx, **_default_options(tx, options), **flags})
 
     # --- groups -----------------------------------------------------------------------------------------------------
 
@@ -345,11 +604,13 @@ class Optimizer(torch.optim.Optimizer):
             param_group["params"], given = self._unique_params(params)
         # a ready transform's lr is given with it: fadam.Optimizer's lr= is not that of a group's own tx
         lr_given = param_group.get("lr", None if "tx" in param_group else self.defaults["lr"]) is not None
+        self._own_factory_options(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         spec = group.pop("tx")
         try:
-            tx, mode, state = self._setup(group, spec, lr_given)
+            _check_flags(group, f"param group {len(self.param_groups) - 1}")
+            tx, mode, state, recipe, values = self._setup(group, spec, lr_given)
         except Exception:
             del self.param_groups[-1]
             raise
@@ -358,12 +619,34 @@ class Optimizer(torch.optim.Optimizer):
         self._modes.append(mode)
         self._base_lrs.append(_lr_value(group["lr"]))
         self._given.append(given)
+        self._recipes.append(recipe)
+        self._built_with.append(values)
+        self._fresh.append(True)
+        self._flags.append(_flags_of(group))
         self.tx_states.append(state)
+
+    def _own_factory_options(self, param_group: dict[str, Any]) -> None:
+        """Fills in the options of a group's own factory that the group does not set: those given to
+        ``fadam.Optimizer`` where the factory takes them, else the factory's defaults (torch.optim then adds the
+        optimizer's defaults for the other keys, which this group's transform does not read)."""
+        spec = param_group.get("tx")
+        if spec is None or isinstance(spec, GradientTransformation) or not callable(spec):
+            return
+        _, defaults = _recipe(spec)
+        where = f"param group {len(self.param_groups)}"
+        for name, default in defaults.items():
+            if name in param_group:
+                continue
+            value = self._shared_options.get(name, default)
+            if value is required:
+                raise ValueError(f"{where}: {_factory_name(spec)} needs the option {name!r}")
+            param_group[name] = value
 
     def _setup(
         self, group: dict[str, Any], spec: TransformOrFactory, lr_given: bool
-    ) -> tuple[GradientTransformation, str, PyTree]:
-        """The new ``group``'s transform, mode and initial state; sets its ``lr`` when the transform holds one."""
+    ) -> tuple[GradientTransformation, str, PyTree, _Recipe | None, dict[str, Any]]:
+        """The new ``group``'s transform, mode, initial state, recipe and option values; sets its ``lr`` when the
+        transform holds one."""
         params = self._tree(group, [p.detach() for p in group["params"]])
         where = f"param group {len(self.param_groups) - 1}"
         if isinstance(spec, GradientTransformation):
@@ -372,7 +655,7 @@ class Optimizer(torch.optim.Optimizer):
             if injected is not None:
                 if group["lr"] is None:
                     group["lr"] = _lr_value(injected)
-                return spec, "injected", state
+                return spec, "injected", state, None, {}
             if not lr_given:
                 raise ValueError(
                     f"{where}: fadam cannot read a ready transform's learning rate: pass the one it was built with as "
@@ -380,21 +663,15 @@ class Optimizer(torch.optim.Optimizer):
                 )
             if _lr_value(group["lr"]) == 0.0:
                 raise ValueError("lr 0 cannot be the base a ready-made transform is rescaled from; pass a factory")
-            return spec, "rescale", state
+            return spec, "rescale", state, None, {}
         if callable(spec):
             if group["lr"] is None:
                 raise ValueError("a transform factory needs a learning rate: pass lr= to fadam.Optimizer or the group")
-            tx = self._built(spec, group)
-            return tx, "factory", tx.init(params)
+            recipe = _recipe(spec, self._shared_options if spec is self.defaults["tx"] else ())[0]
+            values = _option_values(group, recipe, where)
+            tx = _build(recipe, values, group, where)
+            return tx, "factory", tx.init(params), recipe, values
         raise TypeError(f"tx must be a GradientTransformation or a factory taking lr, got {type(spec).__name__}")
-
-    @staticmethod
-    def _built(factory: Callable[..., Any], group: dict[str, Any]) -> GradientTransformation:
-        """``factory``'s transform, built with a learning-rate schedule that reads ``group["lr"]`` at each step."""
-        tx = factory(lr=lambda count: _lr_value(group["lr"]))
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"tx(lr=...) returned a {type(tx).__name__}, expected a GradientTransformation")
-        return tx
 
     # --- copies ----------------------------------------------------------------------------------------------------
 
@@ -417,8 +694,10 @@ class Optimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._txs = [
-            self._built(spec, group) if mode == "factory" else spec
-            for spec, mode, group in zip(self._specs, self._modes, self.param_groups)
+            spec if recipe is None else _build(recipe, values, group, f"param group {index}")
+            for index, (spec, recipe, values, group) in enumerate(
+                zip(self._specs, self._recipes, self._built_with, self.param_groups)
+            )
         ]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Optimizer:
@@ -434,45 +713,122 @@ class Optimizer(torch.optim.Optimizer):
 
     # --- stepping ---------------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Performs one optimization step on every group (a group where no param has a gradient is left alone)."""
+        """Performs one optimization step on every group (a group where no param has a gradient is left alone).
+
+        Every group's options are read first, and a group whose options changed gets its transform rebuilt; a bad
+        value raises before any group is stepped."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
-            grads = [p.grad for p in group["params"]]
-            if all(g is None for g in grads):
-                continue
-            # detached views share storage with the params but are plain tensors: fused kernels and in-place writes
-            leaves = [p.detach() for p in group["params"]]
-            params, grad_tree = self._tree(group, leaves), self._tree(group, grads)
-            tx, state, mode = self._txs[index], self.tx_states[index], self._modes[index]
-            lr = _lr_value(group["lr"])
-            if mode == "injected":
-                state = _with_injected_lr(state, lr)
-            if mode == "rescale" and lr != self._base_lrs[index]:
-                updates, state = tx.update(grad_tree, state, params)
-                factor = lr / self._base_lrs[index]
-                for p, u in zip(tree_leaves(params), tree_leaves(updates)):
-                    if u is not None:
-                        p.add_(u.to(p.dtype), alpha=factor)
-            else:
-                new_params, state = step(tx, params, grad_tree, state, donate=True)
-                for p, new in zip(tree_leaves(params), tree_leaves(new_params)):
-                    if new is not p:
-                        p.copy_(new)
-            self.tx_states[index] = state
+        with torch.no_grad():
+            prepared = [
+                (index, *self._prepared(index))
+                for index, group in enumerate(self.param_groups)
+                if any(p.grad is not None for p in group["params"])
+            ]
+        for index, tx, state, values in prepared:
+            group = self.param_groups[index]
+            self._txs[index], self.tx_states[index], self._built_with[index] = tx, state, values
+            self._flags[index] = _flags_of(group)
+            with torch.set_grad_enabled(group["differentiable"]), backend(_backend_of(group)):
+                self.tx_states[index] = self._stepped(index, tx, state)
+            self._fresh[index] = False
         return loss
+
+    def _prepared(self, index: int) -> tuple[GradientTransformation, PyTree, dict[str, Any]]:
+        """Group ``index``'s transform for its current options, its state for that transform, and the option values;
+        checks the flags where they changed. Changes nothing."""
+        group, where = self.param_groups[index], f"param group {index}"
+        if _flags_of(group) != self._flags[index]:
+            _check_flags(group, where)
+        recipe, built_with = self._recipes[index], self._built_with[index]
+        if recipe is None:
+            return self._txs[index], self.tx_states[index], built_with
+        values = _option_values(group, recipe, where)
+        if all(_same(values[name], built_with[name]) for name in recipe.names):
+            return self._txs[index], self.tx_states[index], built_with
+        tx = _build(recipe, values, group, where)
+        state = self._state_for(index, tx, values)
+        return tx, _with_injected(state, values), values
+
+    def _state_for(self, index: int, tx: GradientTransformation, values: dict[str, Any]) -> PyTree:
+        """Group ``index``'s state for ``tx``, rebuilt from new option ``values``: the state as it is where the values
+        are of the kinds the transform was built with (the same layout), else, once checked, its leaves laid out as
+        ``tx``'s (a chain gaining or losing a stateless member); a group that has not stepped takes ``tx``'s fresh
+        state. Raises if the state would need another layout."""
+        state, built_with = self.tx_states[index], self._built_with[index]
+        if all(_kind(values[name]) == _kind(built_with[name]) for name in values):
+            return state
+        group = self.param_groups[index]
+        tree = self._tree(group, [p.detach() for p in group["params"]])
+        fresh = tx.init(tree)
+        if self._fresh[index]:
+            return fresh
+        params_spec = tree_flatten(tree)[1]
+        (old, _), (new, new_spec) = tree_flatten(state), tree_flatten(fresh)
+        if _leaf_layout(old, _slots(state, params_spec)) != _leaf_layout(new, _slots(fresh, params_spec)):
+            changed = ", ".join(
+                f"{name}={values[name]!r}" for name in values if not _same(values[name], built_with[name])
+            )
+            raise ValueError(
+                f"param group {index}: {changed} needs an optimizer state of another layout than the one this group "
+                "has stepped with; set it before the first step, or in a new fadam.Optimizer"
+            )
+        return new_spec.unflatten(old)
+
+    def _stepped(self, index: int, tx: GradientTransformation, state: PyTree) -> PyTree:
+        """Steps group ``index``'s params in place; returns the new state."""
+        group = self.param_groups[index]
+        grads = self._tree(group, [p.grad for p in group["params"]])
+        if group["differentiable"]:
+            return self._stepped_differentiably(index, tx, state, grads)
+        # detached views share storage with the params but are plain tensors: fused kernels and in-place writes
+        params = self._tree(group, [p.detach() for p in group["params"]])
+        mode, lr = self._modes[index], _lr_value(group["lr"])
+        if mode == "injected":
+            state = _with_injected_lr(state, lr)
+        if mode == "rescale" and lr != self._base_lrs[index]:
+            updates, state = tx.update(grads, state, params)
+            factor = lr / self._base_lrs[index]
+            for p, u in zip(tree_leaves(params), tree_leaves(updates)):
+                if u is not None:
+                    p.add_(u.to(p.dtype), alpha=factor)
+            return state
+        new_params, state = step(tx, params, grads, state, donate=True)
+        for p, new in zip(tree_leaves(params), tree_leaves(new_params)):
+            if new is not p:
+                p.copy_(new)
+        return state
+
+    def _stepped_differentiably(self, index: int, tx: GradientTransformation, state: PyTree, grads: PyTree) -> PyTree:
+        """A step that autograd records, as torch.optim's ``differentiable=True``: the params (non-leaf tensors, or
+        ones that do not require grad) are written in place, their new values computed from clones (autograd keeps
+        what the step reads) without donation, so the new state holds tensors in the graph too."""
+        group = self.param_groups[index]
+        params = self._tree(group, [p.clone() for p in group["params"]])
+        mode, lr = self._modes[index], group["lr"]
+        if mode == "injected":
+            state = _with_injected_lr(state, lr)
+        updates, state = tx.update(grads, state, params)
+        if mode == "rescale" and _lr_value(lr) != self._base_lrs[index]:
+            updates = optree.tree_map(
+                lambda u: None if u is None else u * (lr / self._base_lrs[index]), updates, none_is_leaf=True
+            )
+        for p, u in zip(tree_leaves(self._tree(group, list(group["params"]))), tree_leaves(updates)):
+            if p.grad is not None and u is not None:
+                p.add_(u.to(p.dtype))
+        return state
 
     # --- checkpoints ------------------------------------------------------------------------------------------------
 
-    def _layout(self, index: int) -> tuple[list[_Slot], list[int]]:
-        """Group ``index``'s state slots, and for each leaf of its params tree the param's position in the group."""
+    def _layout(self, index: int, state: PyTree) -> tuple[list[_Slot], list[int]]:
+        """The slots of ``state``, group ``index``'s, and for each leaf of its params tree the param's position in
+        the group."""
         group = self.param_groups[index]
         tree = self._tree(group, list(group["params"]))
-        return _slots(self.tx_states[index], tree_flatten(tree)[1]), _given_order(tree)
+        return _slots(state, tree_flatten(tree)[1]), _given_order(tree)
 
     def _param_label(self, index: int, position: int) -> str:
         names = self.param_groups[index].get("param_names")
@@ -509,7 +865,7 @@ class Optimizer(torch.optim.Optimizer):
         state: dict[int, dict[str, Any]] = {}
         groups = []
         for index, (group, numbers) in enumerate(zip(self.param_groups, self._numbering())):
-            slots, positions = self._layout(index)
+            slots, positions = self._layout(index, self.tx_states[index])
             keys = _per_distinct(self._given[index], numbers)
             shared: dict[str, Any] = {}
             for leaf, slot in zip(tree_leaves(self.tx_states[index]), slots):
@@ -561,15 +917,44 @@ class Optimizer(torch.optim.Optimizer):
             load = self._load_entries
         else:
             load = self._load_torch
-        new_states = [load(index, saved, saved_state) for index, saved in enumerate(saved_groups)]
+        targets = [self._loading_target(index, saved) for index, saved in enumerate(saved_groups)]
+        new_states = [
+            load(index, saved, saved_state, tx, template)
+            for index, (saved, (tx, template, _)) in enumerate(zip(saved_groups, targets))
+        ]
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", "tx_state")})
+            group.update(_saved_options(saved))
+            self._txs[index], _, self._built_with[index] = targets[index]
             self.tx_states[index] = new_states[index]
+            self._fresh[index] = False
+            self._flags[index] = _flags_of(group)
 
-    def _load_entries(self, index: int, saved: dict[str, Any], saved_state: dict[int, Any]) -> PyTree:
-        """Group ``index``'s state from this class's ``state_dict`` layout, checked entry by entry and leaf by leaf."""
-        slots, positions = self._layout(index)
-        current, spec = tree_flatten(self.tx_states[index])
+    def _loading_target(
+        self, index: int, saved: dict[str, Any]
+    ) -> tuple[GradientTransformation, PyTree, dict[str, Any]]:
+        """Group ``index``'s transform for the options ``saved`` holds (torch.optim loads them with the state), a
+        state of that transform's layout to check the saved one against, and the option values. Changes nothing."""
+        group, where = self.param_groups[index], f"param group {index}"
+        loaded = {**group, **_saved_options(saved)}
+        _check_flags(loaded, where)
+        recipe, built_with = self._recipes[index], self._built_with[index]
+        if recipe is None:
+            return self._txs[index], self.tx_states[index], built_with
+        values = _option_values(loaded, recipe, where)
+        if all(_same(values[name], built_with[name]) for name in recipe.names):
+            return self._txs[index], self.tx_states[index], built_with
+        tx = _build(recipe, values, group, where)
+        if all(_kind(values[name]) == _kind(built_with[name]) for name in values):
+            return tx, self.tx_states[index], values
+        return tx, tx.init(self._tree(group, [p.detach() for p in group["params"]])), values
+
+    def _load_entries(
+        self, index: int, saved: dict[str, Any], saved_state: dict[int, Any], tx: GradientTransformation, template: Any
+    ) -> PyTree:
+        """Group ``index``'s state from this class's ``state_dict`` layout, checked entry by entry and leaf by leaf
+        against ``template``, a state of the group's transform."""
+        slots, positions = self._layout(index, template)
+        current, spec = tree_flatten(template)
         entries = [saved_state.get(i, {}) for i in _per_distinct(self._given[index], saved["params"])]
         expected: list[set[str]] = [set() for _ in positions]
         for leaf, slot in zip(current, slots):
@@ -599,7 +984,9 @@ class Optimizer(torch.optim.Optimizer):
                 loaded.append(_checked(where, entries[position][slot.key], old))
         return spec.unflatten(loaded)
 
-    def _load_leaves(self, index: int, saved: dict[str, Any], saved_state: dict[int, Any]) -> PyTree:
+    def _load_leaves(
+        self, index: int, saved: dict[str, Any], saved_state: dict[int, Any], tx: GradientTransformation, template: Any
+    ) -> PyTree:
         """Group ``index``'s state from fadam's older layout: the group's state leaves in the order optree flattens
         them, which depends on the param names (sorted), so the names must be the same."""
         if saved.get("param_names") != self.param_groups[index].get("param_names"):
@@ -607,21 +994,23 @@ class Optimizer(torch.optim.Optimizer):
                 f"param group {index}: this state_dict has fadam's older layout (state leaves per group, in the "
                 "order of the params tree), which loads only into a group with the same param names"
             )
-        current, spec = tree_flatten(self.tx_states[index])
+        current, spec = tree_flatten(template)
         leaves = saved_state[index]
         if len(leaves) != len(current):
             raise ValueError(f"param group {index}: state_dict has {len(leaves)} state leaves, expected {len(current)}")
-        accessors = optree.tree_accessors(self.tx_states[index], none_is_leaf=True)
+        accessors = optree.tree_accessors(template, none_is_leaf=True)
         where = [f"param group {index}, state leaf {accessor.codify('state')}" for accessor in accessors]
         return spec.unflatten([_checked(w, new, old) for w, new, old in zip(where, leaves, current)])
 
-    def _load_torch(self, index: int, saved: dict[str, Any], saved_state: dict[int, Any]) -> PyTree:
+    def _load_torch(
+        self, index: int, saved: dict[str, Any], saved_state: dict[int, Any], tx: GradientTransformation, template: Any
+    ) -> PyTree:
         """Group ``index``'s state converted from a torch.optim ``state_dict``, its params matched by position."""
         group = self.param_groups[index]
         params = self._tree(group, [p.detach() for p in group["params"]])
         by_position = [saved_state.get(i, {}) for i in _per_distinct(self._given[index], saved["params"])]
         try:
-            return _convert_from_torch([by_position[i] for i in _given_order(params)], self._txs[index], params, None)
+            return _convert_from_torch([by_position[i] for i in _given_order(params)], tx, params, None)
         except ValueError as error:
             raise ValueError(f"param group {index}: a torch.optim state_dict that does not convert: {error}") from None
 

@@ -96,7 +96,7 @@ def test_follows_torch_in_float64_to_1e_12():
             {"weight_decay": 0.1},
             lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
         ),
-        (  # betas/momentum are fixed in the transform, so the scheduler must not cycle them
+        (  # cycling the momentum too: tests/test_bridge_options.py
             functools.partial(fadam.sgd, momentum=0.9),
             torch.optim.SGD,
             {"momentum": 0.9},
