@@ -25,4 +25,10 @@ ROWS = [
         {"lr": 1e-2, "weight_decay": 0.01, "min_size": 0},
         reference="equations",
     ),
+    Row(
+        "ademamix8bit",
+        fadam.ademamix8bit,
+        {"lr": 1e-2, "betas": (0.9, 0.999, 0.99), "alpha": 2.0, "weight_decay": 0.01, "min_size": 0},
+        reference="equations",
+    ),
 ]
