@@ -788,8 +788,7 @@ def adopt(
     use_clipping: bool = True,
     clip_value_fn: Callable[[torch.Tensor], float | torch.Tensor] | None = None,
 ) -> GradientTransformation:
-    r"""ADOPT: Adam with the gradient normalized by the previous second moment before the momentum (optax's
-    ``contrib.adopt``).
+    r"""ADOPT: Adam normalizing each gradient by the previous second moment, before the momentum (optax's).
 
     .. math::
         m_t = \beta_1 m_{t-1} + (1-\beta_1)\operatorname{clip}_{c_t}\!\left(\frac{g_t}{\max(\sqrt{v_{t-1}},
@@ -923,8 +922,7 @@ def adabelief(
     *,
     nesterov: bool = False,
 ) -> GradientTransformation:
-    r"""AdaBelief: Adam whose second moment is that of the gradient's distance from its average (optax's
-    ``adabelief``).
+    r"""AdaBelief: Adam whose second moment is the gradient's deviation from its average (optax's ``adabelief``).
 
     .. math::
         s_t = \beta_2 s_{t-1} + (1-\beta_2)(g_t - m_t)^2 + \epsilon_{root},\qquad

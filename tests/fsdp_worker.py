@@ -29,7 +29,7 @@ STEPS = 3
 # (shards of 2560 = 20 blocks of 128) and the (3, 64) head (rows split 2 + 1: a 128-element block, then the ragged
 # 64-element tail, as in one process); biases and the LayerNorm keep float32 state.
 ALIGNED_BLOCKS = {"min_size": 100, "block_size": 128}
-QUANTIZED_ROWS = {"adam8bit", "adamw8bit", "adam4bit", "adamw4bit", "sgd8bit", "lion8bit"}
+QUANTIZED_ROWS = {"adam8bit", "adamw8bit", "adam4bit", "adamw4bit", "sgd8bit", "lion8bit", "ademamix8bit"}
 
 
 def _factory(row: object) -> Callable[[], fadam.GradientTransformation]:

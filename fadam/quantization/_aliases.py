@@ -340,6 +340,8 @@ def ademamix8bit(
     References:
         Pagliardini et al., "The AdEMAMix Optimizer: Better, Faster, Older", 2024.
         Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022.
+        bitsandbytes' ``bnb.optim.AdEMAMix8bit``, whose name and arguments these are (its ``t_alpha``/``t_beta3``
+        warm-ups are schedules given as ``alpha`` and ``betas[2]`` here).
     """
     _check_adam_args(lr, betas[:2], eps, weight_decay)
     head, tail = _head(maximize, weight_decay, decoupled=True), _tail(lr, weight_decay, decoupled=True)

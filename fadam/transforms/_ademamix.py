@@ -34,8 +34,7 @@ def scale_by_ademamix(
     eps_root: float | torch.Tensor = 0.0,
     mu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
-    r"""Rescales updates by AdEMAMix: Adam's bias-corrected momentum plus ``alpha`` times a slow momentum
-    (optax's ``contrib.scale_by_ademamix``).
+    r"""Rescales updates by AdEMAMix: Adam's bias-corrected momentum plus ``alpha`` times a slow momentum.
 
     .. math::
         m^{(1)}_t = \beta_1 m^{(1)}_{t-1} + (1-\beta_1) g_t,\quad

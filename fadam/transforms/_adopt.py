@@ -36,8 +36,7 @@ def scale_by_adopt(
     use_clipping: bool = True,
     clip_value_fn: Callable[[torch.Tensor], float | torch.Tensor] = _fourth_root,
 ) -> GradientTransformation:
-    r"""Rescales updates by ADOPT: each gradient is normalized by the second moment of the steps before it, then
-    averaged into the momentum (optax's ``contrib.scale_by_adopt``).
+    r"""Rescales updates by ADOPT: gradients normalized by the previous second moment, then averaged (momentum).
 
     .. math::
         \tilde g_t = \operatorname{clip}_{c_t}\!\left(\frac{g_t}{\max(\sqrt{v_{t-1}}, \epsilon)}\right),\quad
