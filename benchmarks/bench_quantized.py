@@ -6,26 +6,25 @@
 1. Optimizer-state bytes per parameter on a real model (a GPT-style transformer, every tensor it has).
 2. Relative L2 error of the Adam update direction m / (sqrt(v) + eps) after one quantize round trip of real Adam
    moments (a 1024x1024 layer after 100 Adam steps), fadam vs bitsandbytes' blockwise scheme at the same block size.
-3. CPU time of one optimizer step on 16M parameters: fadam fp32 (fused torch kernel and the pure chain), fadam 8-bit
-   (fused step on the C++ kernel and, for comparison, on the torch.compile kernel it replaces on the CPU; ``update`` +
-   ``apply_updates``, which runs the C++ kernel out of place), fadam 4-bit fused, fadam steps under torch.compile,
-   torch.optim.AdamW and bitsandbytes Adam8bit; medians of interleaved runs, and ratios. Then the fused steps alone,
-   interleaved among themselves, for the target's ratio: on the one tensor, on as many params in 200 tensors (whole
-   blocks, then each with a ragged last block) and on a GPT-2-style model of 16M params (64 tensors). Also the
-   first-step build and compile times and a check that changing the learning rate never recompiles.
+3. CPU time of one optimizer step, as a ratio to torch.optim.AdamW(fused=True)'s: a donated ``fadam.step`` of
+   adamw8bit, adamw4bit and lion8bit (the generated C++ kernel, which decodes and re-encodes the quantized state block
+   by block), adamw8bit's pure path (``tx.update`` + ``fadam.apply_updates``), fadam.adamw with full-precision state
+   and torch's fused AdamW; round-robin in one process, medians. On 16.8M float32 params in one tensor and in 200
+   tensors, and in one bfloat16 tensor. Then the first 8-bit step in an empty kernel cache (``$FADAM_CACHE_DIR``),
+   which generates and compiles its kernel, and the kernels built while the learning rate changes every step.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
+import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from unittest import mock
 
 import optree
 import torch
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fadam
-from fadam.quantization import _native, dequantize_blockwise, quantize_blockwise
+from fadam.quantization import dequantize_blockwise, quantize_blockwise
 
 try:
     import bitsandbytes as bnb
@@ -129,25 +128,32 @@ def accuracy_table(quick: bool) -> list[str]:
     return rows
 
 
+Runner = Callable[[int], None]  # runs step number i (it picks the gradients from i)
+
+
 def median_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-def interleaved(runners: dict[str, Callable[[int], None]], names: list[str], reps: int) -> dict[str, list[float]]:
-    """Seconds of each named step, ``reps`` times. Interleaved, so that machine noise hits every row alike; each timed
-    step follows an untimed one of the same optimizer, as in training: timed right after another row's step, fused
-    fp32 Adam took 18 ms instead of 12."""
-    times: dict[str, list[float]] = {name: [] for name in names}
+def interleaved(runners: dict[str, Runner], reps: int) -> dict[str, float]:
+    """Median ms of each runner's step over ``reps`` round-robin rounds, so that machine noise hits every row alike.
+    Each timed step follows an untimed one of the same optimizer, as in training: otherwise a step would pay for the
+    caches the previous row's step left behind."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
     for i in range(reps):
-        for name in names:
-            runners[name](2 * i)
+        for name, run in runners.items():
+            run(2 * i)
             start = time.perf_counter()
-            runners[name](2 * i + 1)
+            run(2 * i + 1)
             times[name].append(time.perf_counter() - start)
-    return times
+    return {name: median_ms(ts) for name, ts in times.items()}
 
 
-def _fused_step_runner(tx, params: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]):
+Params = dict[str, torch.Tensor]
+
+
+def fadam_step(tx: fadam.GradientTransformation, params: Params, grads: list[Params]) -> Runner:
+    """A donated ``fadam.step``: the params and state are updated in place."""
     box = {"p": {k: v.clone() for k, v in params.items()}}
     box["s"] = tx.init(box["p"])
 
@@ -157,7 +163,19 @@ def _fused_step_runner(tx, params: dict[str, torch.Tensor], grads: list[dict[str
     return run
 
 
-def _torch_fused_runner(params: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]]):
+def fadam_pure(tx: fadam.GradientTransformation, params: Params, grads: list[Params]) -> Runner:
+    """``tx.update`` + ``fadam.apply_updates``: new params, state and updates every step."""
+    box = {"p": {k: v.clone() for k, v in params.items()}}
+    box["s"] = tx.init(box["p"])
+
+    def run(i: int) -> None:
+        updates, box["s"] = tx.update(grads[i % 2], box["s"], box["p"])
+        box["p"] = fadam.apply_updates(box["p"], updates)
+
+    return run
+
+
+def torch_fused(params: Params, grads: list[Params]) -> Runner:
     torch_params = [torch.nn.Parameter(v.clone()) for v in params.values()]
     opt = torch.optim.AdamW(torch_params, lr=1e-3, fused=True)
 
@@ -169,182 +187,96 @@ def _torch_fused_runner(params: dict[str, torch.Tensor], grads: list[dict[str, t
     return run
 
 
-def many_tensors_rows(n: int, reps: int) -> list[str]:
-    """The fused steps on about ``n`` params as a model holds them: in 200 tensors, where each 8-bit leaf costs Python
-    and a leaf whose size is not a multiple of 256 ends in a ragged block; and as a GPT-2-style model, most of whose
-    tensors (norms, biases) are under min_size and keep float32 moments."""
-    rows = []
-    whole = (n // 200) // 256 * 256
-    dim = 512 if n >= 1 << 24 else 128  # 16.0M params (5 layers) or 1.0M
-    models = {
-        f"200 tensors of {whole} (whole blocks)": {f"w{k}": (whole,) for k in range(200)},
-        f"200 tensors of {whole + 100} (a ragged 100 at the end)": {f"w{k}": (whole + 100,) for k in range(200)},
+REFERENCE = "torch.optim.AdamW(fused=True)"
+
+
+def runners(params: Params, grads: list[Params]) -> dict[str, Runner]:
+    return {
+        "fadam.adamw8bit, step (generated kernel)": fadam_step(fadam.adamw8bit(lr=1e-3), params, grads),
+        "fadam.adamw4bit, step (generated kernel)": fadam_step(fadam.adamw4bit(lr=1e-3), params, grads),
+        "fadam.lion8bit, step (generated kernel)": fadam_step(fadam.lion8bit(lr=1e-4), params, grads),
+        "fadam.adamw8bit, update + apply_updates": fadam_pure(fadam.adamw8bit(lr=1e-3), params, grads),
+        "fadam.adamw (unquantized state), step": fadam_step(fadam.adamw(lr=1e-3), params, grads),
+        REFERENCE: torch_fused(params, grads),
     }
-    gpt = {k: tuple(v.shape) for k, v in gpt_params(dim, 5, 256, 256).items()}
-    small = sum(torch.Size(shape).numel() < 4096 for shape in gpt.values())
-    gpt_n = sum(torch.Size(shape).numel() for shape in gpt.values())
-    models[f"a GPT-2-style model ({gpt_n / 1e6:.1f}M params, {len(gpt)} tensors, {small} under min_size)"] = gpt
-    for label, shapes in models.items():
-        torch.manual_seed(0)
-        params = {k: torch.randn(shape) for k, shape in shapes.items()}
-        grads = [{k: torch.randn(v.shape) * 1e-2 for k, v in params.items()} for _ in range(2)]
-        runners = {
-            "fadam adamw fp32, fused step": _fused_step_runner(fadam.adamw(lr=1e-3), params, grads),
-            "torch.optim.AdamW(fused=True)": _torch_fused_runner(params, grads),
-            "fadam adamw8bit, fused step (C++ kernel)": _fused_step_runner(fadam.adamw8bit(lr=1e-3), params, grads),
-        }
-        for runner in runners.values():
-            runner(0)
-        medians = {name: median_ms(ts) for name, ts in interleaved(runners, list(runners), reps).items()}
-        fp32, fused = medians["fadam adamw fp32, fused step"], medians["torch.optim.AdamW(fused=True)"]
-        rows.append(f"the fused steps on {label}, interleaved ({reps} reps; as above):")
-        for name, ms in medians.items():
-            rows.append(f"  {name}: {ms:.1f} ms, {ms / fp32:.2f}x | {ms / fused:.2f}x")
-        step, kernel = _kernel_share(runners["fadam adamw8bit, fused step (C++ kernel)"], reps)
-        rows.append(f"  of the 8-bit step's {step:.1f} ms, the C++ kernel's call: {kernel:.1f} ms (the rest is Python)")
-    return rows
 
 
-def _kernel_share(runner: Callable[[int], None], reps: int) -> tuple[float, float]:
-    """Median ms of a step and of the C++ kernel's call inside it."""
-    calls: list[float] = []
-    run = _native._run_table  # both ways of reading a step's leaves call it
+def layouts(n: int) -> dict[str, tuple[int, int, torch.dtype]]:
+    """Column label: (tensors, elements each, dtype), about ``n`` params in all."""
+    m = f"{n / 1e6:.1f}M"
+    return {
+        f"1 x {m} fp32": (1, n, torch.float32),
+        f"200 x {n // 200} fp32": (200, n // 200, torch.float32),
+        f"1 x {m} bf16": (1, n, torch.bfloat16),
+    }
 
-    def timed(*args) -> None:
+
+def layout_medians(tensors: int, size: int, dtype: torch.dtype, reps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    params = {f"w{k}": torch.randn(size).to(dtype) for k in range(tensors)}
+    grads = [{k: (torch.randn(size) * 1e-2).to(dtype) for k in params} for _ in range(2)]
+    steps = runners(params, grads)
+    for run in steps.values():
+        run(0)  # builds or loads the kernels and allocates the state outside the timed steps
+    return interleaved(steps, reps)
+
+
+@contextlib.contextmanager
+def fresh_kernel_cache() -> Iterator[Path]:
+    """``$FADAM_CACHE_DIR`` set to a new empty folder inside the block, restored after it."""
+    before = os.environ.get("FADAM_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="fadam-cache-") as folder:
+        os.environ["FADAM_CACHE_DIR"] = folder
+        try:
+            yield Path(folder)
+        finally:
+            if before is None:
+                del os.environ["FADAM_CACHE_DIR"]
+            else:
+                os.environ["FADAM_CACHE_DIR"] = before
+
+
+def cold_start(n: int) -> str:
+    """The first adamw8bit step of the process in an empty kernel cache, then 4 steps with a learning rate that
+    changes every step. Must run before any other step of the process: kernels it has loaded are not built again."""
+    schedule = lambda count: 1e-3 * (1 + count.to(torch.float32)) ** -0.5  # noqa: E731 - changes every step
+    params = {"w": torch.randn(n)}
+    grads = [{"w": torch.randn(n) * 1e-2} for _ in range(2)]
+    with fresh_kernel_cache() as folder:
+        run = fadam_step(fadam.adamw8bit(lr=schedule), params, grads)
         start = time.perf_counter()
-        run(*args)
-        calls.append(time.perf_counter() - start)
-
-    steps = []
-    with mock.patch.object(_native, "_run_table", timed):
-        for i in range(reps):
-            start = time.perf_counter()
-            runner(i)
-            steps.append(time.perf_counter() - start)
-    return median_ms(steps), median_ms(calls)
+        run(0)
+        cold_s = time.perf_counter() - start
+        for i in range(1, 5):
+            run(i)
+        built = len(list(folder.rglob("*.so")))
+    return (
+        f"first adamw8bit step in an empty FADAM_CACHE_DIR (generates and compiles its kernel): {cold_s:.2f} s; "
+        f"kernels built in 5 steps with the lr changing every step: {built}"
+    )
 
 
 def speed_table(quick: bool, reps: int) -> list[str]:
     n = (1 << 20) if quick else (1 << 24)
-    torch.manual_seed(0)
-    base = torch.randn(n)
-    grads = [{"w": torch.randn(n) * 1e-2} for _ in range(2)]
-    rows = [f"## 3. CPU step time, one tensor of {n / 1e6:.1f}M params, {torch.get_num_threads()} threads (median ms)"]
-
-    runners = {}
-
-    def fadam_runner(tx, fused: bool, native: bool = True):
-        box = {"p": {"w": base.clone()}}
-        box["s"] = tx.init(box["p"])
-
-        def run(i: int) -> None:
-            # native=False: the torch.compile kernel, which the C++ one replaces on the CPU (kept for comparison)
-            with contextlib.nullcontext() if native else mock.patch.object(_native, "available", return_value=False):
-                if fused:
-                    box["p"], box["s"] = fadam.step(tx, box["p"], grads[i % 2], box["s"], donate=True)
-                else:
-                    updates, box["s"] = tx.update(grads[i % 2], box["s"], box["p"])
-                    box["p"] = fadam.apply_updates(box["p"], updates)
-
-        return run
-
-    runners["fadam adamw fp32, fused step"] = fadam_runner(fadam.adamw(lr=1e-3), True)
-    runners["fadam adamw fp32, pure update"] = fadam_runner(fadam.adamw(lr=1e-3), False)
-    schedule = lambda count: 1e-3 * (1 + count.to(torch.float32)) ** -0.5  # noqa: E731 - a changing lr
-    tx8 = fadam.adamw8bit(lr=schedule)
-    runners["fadam adamw8bit, fused step (C++ kernel)"] = fadam_runner(tx8, True)
-    runners["fadam adamw8bit, fused step (torch.compile kernel)"] = fadam_runner(tx8, True, native=False)
-    runners["fadam adamw8bit, pure update"] = fadam_runner(tx8, False)
-    runners["fadam adamw4bit, fused step (C++ kernel)"] = fadam_runner(fadam.adamw4bit(lr=schedule), True)
-
-    def compiled_runner(tx):  # a whole donated step under torch.compile: inductor's code for the chain
-        box = {"p": {"w": base.clone()}}
-        box["s"] = tx.init(box["p"])
-        train_step = torch.compile(functools.partial(fadam.step, tx, donate=True), fullgraph=True)
-
-        def run(i: int) -> None:
-            box["p"], box["s"] = train_step(box["p"], grads[i % 2], box["s"])
-
-        return run
-
-    runners["fadam adamw fp32, step under torch.compile"] = compiled_runner(fadam.adamw(lr=1e-3))
-    runners["fadam adamw8bit, step under torch.compile"] = compiled_runner(fadam.adamw8bit(lr=1e-3))
-
-    def torch_runner(**flags):
-        p = torch.nn.Parameter(base.clone())
-        opt = torch.optim.AdamW([p], lr=1e-3, **flags)
-
-        def run(i: int) -> None:
-            p.grad = grads[i % 2]["w"]
-            opt.step()
-
-        return run
-
-    runners["torch.optim.AdamW (CPU default: for-loop)"] = torch_runner()
-    runners["torch.optim.AdamW(fused=True)"] = torch_runner(fused=True)
-    if bnb is not None:
-        p = torch.nn.Parameter(base.clone())
-        opt = bnb.optim.AdamW8bit([p], lr=1e-3, weight_decay=1e-2)
-
-        def run_bnb(i: int) -> None:
-            p.grad = grads[i % 2]["w"]
-            opt.step()
-
-        runners["bitsandbytes AdamW8bit"] = run_bnb
-
-    from torch._dynamo.utils import counters
-
-    start = time.perf_counter()
-    runners["fadam adamw8bit, fused step (C++ kernel)"](0)
-    build_s = time.perf_counter() - start
-    start = time.perf_counter()
-    runners["fadam adamw8bit, fused step (torch.compile kernel)"](0)
-    compile_s = time.perf_counter() - start
-    for name in runners:
-        if "under torch.compile" in name:
-            runners[name](0)  # compiled here, so that the recompilation count below is the 8-bit kernels' alone
-    graphs = counters["stats"]["unique_graphs"]
-    for run in runners.values():
-        run(1)  # warm up
-
-    times = interleaved(runners, list(runners), reps)
-    # The target's ratio from the fused steps alone: in the full cycle a fused step also pays for what the step before
-    # its untimed one (a pure update, bitsandbytes) left in the caches, which moves the fp32 row by up to 25% per run.
-    head_names = [
-        "fadam adamw fp32, fused step",
-        "torch.optim.AdamW(fused=True)",
-        "fadam adamw8bit, fused step (C++ kernel)",
-        "fadam adamw4bit, fused step (C++ kernel)",
+    cold = cold_start(n)
+    columns = {label: layout_medians(*layout, reps) for label, layout in layouts(n).items()}
+    rows = [
+        f"## 3. CPU step time / {REFERENCE}'s, {torch.get_num_threads()} threads "
+        f"(medians of {reps} round-robin rounds; ms in brackets)",
+        "| optimizer | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
     ]
-    head = {name: median_ms(ts) for name, ts in interleaved(runners, head_names, 3 * reps).items()}
-    recompiled = counters["stats"]["unique_graphs"] - graphs
-    fp32 = median_ms(times["fadam adamw fp32, fused step"])
-    fp32_pure = median_ms(times["fadam adamw fp32, pure update"])
-    rows.append("| optimizer | ms | vs fp32 fused step | vs fp32 pure update |")
-    rows.append("|---|---|---|---|")
-    for name, ts in times.items():
-        rows.append(
-            f"| {name} | {median_ms(ts):.1f} | {median_ms(ts) / fp32:.2f}x | {median_ms(ts) / fp32_pure:.2f}x |"
-        )
-    rows.append(f"fused steps alone, interleaved ({3 * reps} reps; median ms, and against fadam's fp32 fused step | "
-                "torch.optim.AdamW(fused=True)):")  # fmt: skip
-    for name, ms in head.items():
-        rows.append(f"  {name}: {ms:.1f} ms, {ms / head[head_names[0]]:.2f}x | {ms / head[head_names[1]]:.2f}x")
-    rows += many_tensors_rows(n, 3 * reps)
-    if bnb is not None:
-        ours = median_ms(times["fadam adamw8bit, fused step (C++ kernel)"])
-        ratio = ours / median_ms(times["bitsandbytes AdamW8bit"])
-        rows.append(f"fadam 8-bit fused step / bitsandbytes AdamW8bit: {ratio:.2f}x")
-    rows.append(f"first 8-bit step incl. building the C++ kernel: {build_s:.1f} s (0 when ~/.cache/torch_extensions "
-                f"has it: set TORCH_EXTENSIONS_DIR to an empty folder to measure); incl. torch.compile: "
-                f"{compile_s:.1f} s; graphs compiled while the lr changed every step: {recompiled}")  # fmt: skip
+    for name in next(iter(columns.values())):
+        cells = [f"{ms[name] / ms[REFERENCE]:.2f}x ({ms[name]:.1f})" for ms in columns.values()]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    rows.append(cold)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=["memory", "accuracy", "speed"], default=None)
     args = parser.parse_args()

@@ -2,13 +2,15 @@
 
     python benchmarks/gpu_quantized.py          # < 90 s on one GPU; writes $OUT/quantized.txt when $OUT is set
 
-1. Correctness: 5 steps of fadam.adamw8bit / adamw4bit with ``fadam.step`` on CUDA (the compiled dequantize-update-
-   requantize kernel) against the pure chain on the CPU, from the same params and gradients; and ``tx.update`` +
-   ``apply_updates`` on CUDA (the same kernels, out of place) against the CUDA step, which should be bit for bit.
+On CUDA tensors the generated kernel does not apply (it takes CPU tensors): ``fadam.step`` runs the chain's eager
+torch ops, the codec's table encoder included.
+
+1. Correctness: 5 steps of fadam.adamw8bit / adamw4bit with ``fadam.step`` on CUDA against ``tx.update`` +
+   ``apply_updates`` on the CPU (the generated kernel), from the same params and gradients; and ``tx.update`` +
+   ``apply_updates`` on CUDA against the CUDA step, which should be bit for bit.
 2. Throughput on 100M params (8 tensors of 12.5M, fp32): torch.optim.AdamW(fused=True), fadam.adamw fp32 (torch's fused
-   kernel), fadam.adamw8bit and adamw4bit fused steps, adamw8bit's update + apply_updates; ms per step (CUDA events,
-   median), the ratio torch-fused-time / ours (target >= 0.94 for 8-bit), the first-step compile time, and graphs
-   compiled while the learning rate changes every step (target 0).
+   kernel), fadam.adamw8bit and adamw4bit donated steps, adamw8bit's update + apply_updates; ms per step (CUDA events,
+   median), the ratio torch-fused-time / ours, state bytes per param and the first step's time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from unittest import mock
 
 import optree
 import torch
@@ -27,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fadam
-from fadam.quantization import QuantizedArray, _aliases, dequantize_blockwise
+from fadam.quantization import QuantizedArray, dequantize_blockwise
 
 LINES: list[str] = []
 
@@ -50,14 +51,8 @@ def moments(state, params, bits):
     return out
 
 
-def unfused(make, **kwargs):
-    """The alias without its kernels: the chain (``tx.update`` on plain tensors runs the kernels)."""
-    with mock.patch.object(_aliases, "fused_quantized_adam_step", lambda **_: (lambda *a: None, lambda *a: None)):
-        return make(**kwargs)
-
-
 def correctness() -> None:
-    say("## 1. correctness: CUDA fused step vs CPU chain, 5 steps; CUDA update + apply_updates vs CUDA step")
+    say("## 1. correctness: CUDA step vs CPU update + apply_updates, 5 steps; CUDA update + apply_updates vs CUDA step")
     say(
         "| optimizer | max abs param diff | max rel moment diff (L2) | state on cuda | update == step (params, state) |"
     )
@@ -66,15 +61,14 @@ def correctness() -> None:
     params = {"w": torch.randn(1000, 1037), "b": torch.randn(1000), "c": torch.randn(4096 * 3 + 5)}
     grads = [{k: torch.randn_like(v) * 1e-2 for k, v in params.items()} for _ in range(5)]
     for name, make, bits in (("adamw8bit", fadam.adamw8bit, 8), ("adamw4bit", fadam.adamw4bit, 4)):
-        tx = make(lr=1e-2)  # default weight decay: the same compiled kernels serve the throughput runs
-        chain = unfused(make, lr=1e-2)
+        tx = make(lr=1e-2)
         cpu_p, cpu_s = params, tx.init(params)
         gpu_p = {k: v.cuda() for k, v in params.items()}
         gpu_s = tx.init(gpu_p)
         upd_p, upd_s = gpu_p, gpu_s
         same = True
         for g in grads:
-            updates, cpu_s = chain.update(g, cpu_s, cpu_p)
+            updates, cpu_s = tx.update(g, cpu_s, cpu_p)
             cpu_p = fadam.apply_updates(cpu_p, updates)
             g_cuda = {k: v.cuda() for k, v in g.items()}
             updates, upd_s = tx.update(g_cuda, upd_s, upd_p)
@@ -130,14 +124,11 @@ def throughput(reps: int = 20) -> None:
     results = {}
 
     results["torch.optim.AdamW(fused=True)"] = (torch_fused_ms(base, grads, reps), None)
-    schedule = lambda count: 1e-3 * (1 + count.to(torch.float32)) ** -0.5  # noqa: E731 - changes every step
-    from torch._dynamo.utils import counters
-
     for name, tx, pure in (
-        ("fadam.adamw fp32 (fused)", fadam.adamw(lr=1e-3), False),
-        ("fadam.adamw8bit (fused compiled)", fadam.adamw8bit(lr=schedule), False),
-        ("fadam.adamw4bit (fused compiled)", fadam.adamw4bit(lr=schedule), False),
-        ("fadam.adamw8bit (update + apply_updates)", fadam.adamw8bit(lr=schedule), True),
+        ("fadam.adamw fp32 (step)", fadam.adamw(lr=1e-3), False),
+        ("fadam.adamw8bit (step)", fadam.adamw8bit(lr=1e-3), False),
+        ("fadam.adamw4bit (step)", fadam.adamw4bit(lr=1e-3), False),
+        ("fadam.adamw8bit (update + apply_updates)", fadam.adamw8bit(lr=1e-3), True),
     ):
         box = {"p": {str(i): b.clone() for i, b in enumerate(base)}}
         box["s"] = tx.init(box["p"])
@@ -154,11 +145,9 @@ def throughput(reps: int = 20) -> None:
         step(0)
         torch.cuda.synchronize()
         first = time.perf_counter() - start
-        graphs = counters["stats"]["unique_graphs"]
         ms = time_steps(step, reps)
         nbytes = sum(t.numel() * t.element_size() for t in optree.tree_leaves(box["s"]))
-        extra = f"first step {first:.1f} s, new graphs while lr changed: {counters['stats']['unique_graphs'] - graphs}"
-        results[name] = (ms, f"{nbytes / (n_tensors * size):.3f} B/param; {extra}")
+        results[name] = (ms, f"{nbytes / (n_tensors * size):.3f} B/param; first step {first:.1f} s")
         del box
         torch.cuda.empty_cache()
     ref = results["torch.optim.AdamW(fused=True)"][0]
