@@ -24,23 +24,48 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from fadam._program import Node, Traced
 
-_CTYPES = {torch.float32: "float", torch.float64: "double"}
-KERNEL_DTYPES = tuple(_CTYPES)
+_STORED = {torch.float32: "float", torch.float64: "double", torch.bfloat16: "uint16_t"}  # C types in memory
+_COMPUTED_IN = {torch.float32: "float", torch.float64: "double", torch.bfloat16: "float"}  # and in registers
+KERNEL_DTYPES = tuple(_STORED)
 _CHUNK = 1 << 14  # elements per unit of work: a few hundred kilobytes of traffic, many per thread on large leaves
 _SERIAL_BELOW = 1 << 16  # fewer elements than this run on one thread: waking the others costs more than it saves
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++17"]
+# -ffp-contract=off: every operation rounds once, as ATen's kernels do; -fno-math-errno and -fno-trapping-math let
+# the compiler vectorize square roots and selects between floats (neither changes a result).
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+]
+# GCC's generic tuning, which -march=native keeps for a CPU it does not know by name, never emits gather
+# instructions: the quantized slots' table reads (one per decoded or encoded element) would then stay scalar.
+_GCC_FLAGS = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
+
+
+def _flags(version: str) -> list[str]:
+    gcc = "clang" not in version.lower() and platform.machine().lower() in ("x86_64", "amd64")
+    return _FLAGS + (_GCC_FLAGS if gcc else [])
+
 
 _PRELUDE = """\
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 // torch.maximum / torch.minimum: NaN propagates; between equal values the second operand, as ATen's vector path
@@ -65,6 +90,27 @@ template <typename T> static inline T fadam_lerp(T start, T end, T weight) {
   const bool small = std::fabs(weight) < T(0.5);
   return fadam_fma(small ? weight : weight - T(1), end - start, small ? start : end);
 }
+// bfloat16 values live in floats: loaded exactly, and rounded to nearest even after every bfloat16 operation, as
+// ATen rounds each op's float result (NaN stays NaN)
+static inline float fadam_from_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+static inline float fadam_round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = x != x ? (bits | 0x00400000u) & 0xFFFF0000u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+static inline uint16_t fadam_to_bf16(float rounded) {
+  uint32_t bits;
+  std::memcpy(&bits, &rounded, 4);
+  return static_cast<uint16_t>(bits >> 16);
+}
 typedef void (*SqrtRows)(int, const void*, void*);  // MKL's vsSqrt / vdSqrt, which torch's CPU sqrt calls
 typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 """
@@ -74,8 +120,9 @@ _UNARY_C = {
     "neg": "-{}",
     "abs": "std::fabs({})",
     "sign": "fadam_sign({})",
-    "reciprocal": "T(1) / {}",
-    "rsqrt": "T(1) / std::sqrt({})",  # torch.rsqrt: the IEEE square root (not MKL's), then a division
+    "reciprocal": "1 / {}",
+    "rsqrt": "1 / std::sqrt({})",  # torch.rsqrt: the IEEE square root (not MKL's), then a division
+    "sqrt": "std::sqrt({})",  # bfloat16: ATen's IEEE square root in float (MKL's serve float32 and float64)
 }
 _CALLS = {
     "maximum": "fadam_maximum({}, {})",
@@ -86,89 +133,242 @@ _CALLS = {
     "addcmul": "fadam_fma({3} * {1}, {2}, {0})",  # torch.addcmul(c, a, b, value=v): fma(v * a, b, c)
     "add_scaled": "fadam_fma({1}, {2}, {0})",  # torch.add(a, b, alpha=k): fma(b, k, a)
 }
-_COMPUTED = frozenset(_BINARY_C) | frozenset(_UNARY_C) | frozenset(_CALLS) | {"sqrt"}
+_COMPUTED = frozenset(_BINARY_C) | frozenset(_UNARY_C) | frozenset(_CALLS) | {"cast"}
+# Operations where ATen rounds a number to a bfloat16 operand's dtype first (add and sub, a comparison, a clamp's
+# bounds, torch.add's alpha, a where's branch); mul, div, lerp's weight and addcmul's value keep it in float.
+_ROUNDS_SCALARS = frozenset(
+    {"add", "sub", "lt", "gt", "le", "ge", "clamp", "add_scaled", "where", "maximum", "minimum"}
+)
 _BLOCK = 512  # elements per pass between square roots: their buffers stay in the L1 cache
 
 
-def _literal(value: float) -> str:
+def _literal(value: float, ctype: str) -> str:
     if value != value:
-        return "T(NAN)"
+        return f"{ctype}(NAN)"
     if value in (float("inf"), float("-inf")):
-        return "T(INFINITY)" if value > 0 else "T(-INFINITY)"
-    return f"T({value.hex()})"  # exact in any precision T holds it in
+        return f"{ctype}(INFINITY)" if value > 0 else f"{ctype}(-INFINITY)"
+    return f"{ctype}({value.hex()})"  # exact in any precision the C type holds it in
 
 
-def _expression(node: Node, names: dict[int, str]) -> str:
-    args = [names[a.index] for a in node.args]
+_WIDTH = {torch.bfloat16: 0, torch.float32: 1, torch.float64: 2}
+
+
+def _promoted(dtypes: list[torch.dtype | None]) -> torch.dtype | None:
+    """torch's promotion between floating tensors (numbers take the tensors' dtype)."""
+    found = [d for d in dtypes if d is not None and d != torch.bool]
+    return max(found, key=_WIDTH.__getitem__) if found else None
+
+
+def _node_dtypes(traced: Traced, inputs: tuple[torch.dtype, ...]) -> dict[int, torch.dtype | None]:
+    """Each node's dtype, as torch would give it for tensors of the ``inputs``' dtypes: ``None`` for a number,
+    ``torch.bool`` for a comparison; a comparison's operands are compared in ``operand_dtype``."""
+    dtypes: dict[int, torch.dtype | None] = {}
+    graph = traced.graph
+    for node in graph.nodes:
+        if node.op == "input":
+            dtypes[node.index] = inputs[graph.inputs.index(node)]
+        elif not node.elementwise:
+            dtypes[node.index] = None
+        elif node.boolean:
+            dtypes[node.index] = torch.bool
+        elif node.op == "cast":
+            dtypes[node.index] = dtypes[node.args[1].index]
+        else:
+            arguments = node.args[1:] if node.op == "where" else node.args
+            dtypes[node.index] = _promoted([dtypes[a.index] for a in arguments])
+    return dtypes
+
+
+def _operand_dtype(node: Node, dtypes: dict[int, torch.dtype | None]) -> torch.dtype | None:
+    """The dtype ``node`` computes in: its own, or for a comparison its operands' promoted dtype."""
+    if node.boolean:
+        return _promoted([dtypes[a.index] for a in node.args])
+    if node.op == "cast":
+        return dtypes[node.args[1].index]
+    return dtypes[node.index]
+
+
+def _argument(node: Node, position: int, names: dict[int, str], dtypes: dict, scalar_names: dict) -> str:
+    """How ``node`` reads its argument ``position``: a tensor value by its name, a number in ``node``'s C type,
+    rounded to bfloat16 first where ATen rounds it (``_ROUNDS_SCALARS``)."""
+    arg = node.args[position]
+    dtype = _operand_dtype(node, dtypes)
+    if arg.elementwise:
+        own = dtypes[arg.index]
+        if own in (None, torch.bool) or dtype is None or _COMPUTED_IN[own] == _COMPUTED_IN[dtype]:
+            return names[arg.index]
+        return f"static_cast<{_COMPUTED_IN[dtype]}>({names[arg.index]})"  # float32 promoted to float64: exact
+    rounds = dtype == torch.bfloat16 and node.op in _ROUNDS_SCALARS
+    if node.op == "add_scaled" and position != 2:
+        rounds = False
+    ctype = _COMPUTED_IN[dtype]
+    if arg.op == "const":
+        text = _literal(arg.value, ctype)
+        return f"fadam_round_bf16({text})" if rounds else text
+    return scalar_names[(arg.op, arg.value, ctype, rounds)]
+
+
+def _expression(node: Node, args: list[str], dtypes: dict) -> str:
     if node.op in _BINARY_C:
         return f"{args[0]} {_BINARY_C[node.op]} {args[1]}"
     if node.op in _UNARY_C:
         return _UNARY_C[node.op].format(args[0])
     if node.op in _CALLS:
         return _CALLS[node.op].format(*args)
+    if node.op == "cast":
+        target = dtypes[node.index]
+        return f"static_cast<{_COMPUTED_IN[target]}>({args[0]})"
     raise ValueError(f"no C++ for the operation {node.op}")
 
 
-def _phases(traced: Traced, needed: set[int]) -> dict[int, int]:
-    """The pass each node is computed in: a square root's result is available one pass after its argument (torch's
-    square roots run over a block of arguments at once, in MKL), every other node in the pass of its last argument."""
+def _phases(traced: Traced, needed: set[int], roots: set[int]) -> dict[int, int]:
+    """The pass each node is computed in: a square root run by MKL (``roots``) is available one pass after its
+    argument (torch's float32 and float64 square roots run over a block of arguments at once, in MKL), every other
+    node in the pass of its last argument."""
     phase: dict[int, int] = {}
     for node in traced.graph.nodes:
         if node.index in needed:
             start = max((phase[a.index] for a in node.args), default=0)
-            phase[node.index] = start + 1 if node.op == "sqrt" else start
+            phase[node.index] = start + 1 if node.index in roots else start
     return phase
 
 
+class Quantized(NamedTuple):
+    """A slot stored blockwise-quantized (``fadam.quantization``): its codes are decoded with the map each leaf's
+    ``map_id`` names and the new values encoded, block by block, with ``map_id`` here."""
+
+    bits: int
+    block: int
+    map_id: int
+
+
+Formats = tuple["Quantized | None", ...]  # per slot of a traced segment: quantized, or plain tensors (None)
+
+
+_WEIGHTS = {"lerp": 2, "addcmul": 3, "add_scaled": 2}  # the argument that takes a number
+
+
 @functools.lru_cache(maxsize=512)
-def source(traced: Traced, dtype: torch.dtype) -> str:
-    """The C++ source of ``traced`` for ``dtype``: ``fadam_run(leaves, sizes, pointers, scalars, threads, sqrt_rows,
-    mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order, then the outputs."""
+def weight_scalars(traced: Traced) -> frozenset[str]:
+    """The names of the scalars ``traced`` uses as lerp's weight, addcmul's value or add's alpha."""
     graph = traced.graph
+    return frozenset(
+        graph.scalars[node.args[_WEIGHTS[node.op]].value]
+        for node in graph.nodes
+        if node.op in _WEIGHTS and node.args[_WEIGHTS[node.op]].op == "scalar"
+    )
+
+
+class _Scalars(dict):
+    """The C names of the step's scalars as the kernel reads them, declared on first use: per C type, and rounded to
+    bfloat16 where an operation rounds them (``_argument``)."""
+
+    def __missing__(self, key: tuple[str, int, str, bool]) -> str:
+        op, index, ctype, rounds = key
+        name = self[key] = f"{'s' if op == 'scalar' else 'l'}{index}_{ctype[0]}{'b' if rounds else ''}"
+        return name
+
+    def declarations(self) -> list[str]:
+        lines = []
+        for (op, index, ctype, rounds), name in self.items():
+            source = f"scalars[{index}]" if op == "scalar" else f"leaf_scalars[leaf * PER_LEAF + {index}]"
+            value = f"{ctype}({source})"
+            lines.append((op, f"const {ctype} {name} = {f'fadam_round_bf16({value})' if rounds else value};"))
+        return lines
+
+
+@functools.lru_cache(maxsize=512)
+def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = ()) -> str:
+    """The C++ source of ``traced`` for inputs of ``dtypes`` (in the graph's order; the outputs have their inputs'
+    dtypes, the last one the first input's): ``fadam_run(leaves, sizes, pointers, scalars, leaf_scalars, threads,
+    sqrt_float, sqrt_double, mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order,
+    then the outputs; a quantized slot (``formats``) takes three of each: codes, absmax and map id. Each node is
+    computed in its dtype as torch would compute it: float32 and float64 as they are, bfloat16 in float, rounded
+    after every operation."""
+    from fadam.quantization._maps import INFINITE  # the quantization package builds on the program
+
+    graph = traced.graph
+    slots = len(traced.outputs) - 1
+    formats = formats or (None,) * slots
+    first_slot = len(graph.inputs) - slots
+    quantized = {k: f for k, f in enumerate(formats) if f is not None}
+    types = _node_dtypes(traced, dtypes)
     needed = _reachable(traced.outputs)
-    phase = _phases(traced, needed)
+    mkl_roots = {
+        n.index for n in graph.nodes if n.index in needed and n.op == "sqrt" and types[n.index] != torch.bfloat16
+    }
+    phase = _phases(traced, needed, mkl_roots)
     passes = max(phase.values(), default=0) + 1
+    if quantized:
+        block = next(iter(quantized.values())).block
+        if any(f.block != block for f in quantized.values()):
+            raise ValueError("the quantized slots of one kernel share a block size")
+        span = block * max(1, _BLOCK // block)  # whole blocks per pass: each is encoded once its values are known
+        chunk = span * -(-_CHUNK // span)
+    else:
+        span, chunk = (_BLOCK if passes > 1 else _CHUNK), _CHUNK
     output_of: dict[int, list[int]] = {}  # a node may be several outputs (trace's update is its new trace)
     for k, out in enumerate(traced.outputs):
         output_of.setdefault(out.index, []).append(k)
-    roots = [n for n in graph.nodes if n.index in needed and n.op == "sqrt"]
+    roots = [n for n in graph.nodes if n.index in mkl_roots]
     uses: dict[int, set[int]] = {}  # the passes that read each node
     for node in graph.nodes:
         if node.index in needed:
-            reader = phase[node.index] - 1 if node.op == "sqrt" else phase[node.index]  # its argument is stored
+            reader = phase[node.index] - 1 if node.index in mkl_roots else phase[node.index]  # its argument is stored
             for arg in node.args:
                 uses.setdefault(arg.index, set()).add(reader)
     buffered = [  # computed values that a later pass reads
         n for n in graph.nodes if n.op in _COMPUTED and max(uses.get(n.index, {-1})) > phase.get(n.index, 0)
     ]
     buffered_indices = {n.index for n in buffered}
-    loops: list[str] = []
+    scalar_names = _Scalars()
+
+    def ctype(node: Node) -> str:
+        return "bool" if node.boolean else _COMPUTED_IN[types[node.index]]
+
+    def load(k: int, node: Node, name: str) -> list[str]:
+        slot = k - first_slot
+        if slot in quantized:
+            code = f"c{slot}[at]" if quantized[slot].bits == 8 else f"u{slot}[j]"
+            return [
+                f"const float {name}_scale = d{slot}[j];",
+                f"const float {name} = m{slot}[{code} + ({name}_scale < 0.0f ? {INFINITE} : 0)] * "
+                f"std::fabs({name}_scale);",
+            ]
+        value = f"fadam_from_bf16(in{k}[at])" if dtypes[k] == torch.bfloat16 else f"in{k}[at]"
+        return [f"const {ctype(node)} {name} = {value};"]
+
+    def store(k: int, node: Node, name: str) -> str:
+        if k in quantized:
+            return f"q{k}[j] = {name};"
+        return f"out{k}[at] = {f'fadam_to_bf16({name})' if types[node.index] == torch.bfloat16 else name};"
+
+    def value(node: Node, names: dict[int, str]) -> str:
+        if node.index in mkl_roots:
+            return f"r{node.index}[j]"
+        args = [_argument(node, k, names, types, scalar_names) for k in range(len(node.args))]
+        text = _expression(node, args, types)
+        return f"fadam_round_bf16({text})" if types[node.index] == torch.bfloat16 else text
+
+    loops: list[str] = [_unpack_blocks(k, q) for k, q in quantized.items()]
     for current in range(passes):
         names: dict[int, str] = {}
         lines: list[str] = []
         for node in graph.nodes:
             index = node.index
-            if index not in needed:
+            if index not in needed or not node.elementwise:
                 continue
             name = names[index] = f"v{index}"
-            if node.op == "scalar":
-                names[index] = f"s{node.value}"
-            elif node.op == "leaf_scalar":
-                names[index] = f"l{node.value}"
-            elif node.op == "const":
-                names[index] = _literal(node.value)
-            elif node.op == "input" and (current in uses.get(index, ()) or index in output_of):
-                lines.append(f"const T {name} = in{graph.inputs.index(node)}[at];")
+            if node.op == "input" and (current in uses.get(index, ()) or index in output_of):
+                lines.extend(load(graph.inputs.index(node), node, name))
             elif phase[index] < current and current in uses.get(index, ()):
-                lines.append(f"const T {name} = b{index}[j];")
+                lines.append(f"const {ctype(node)} {name} = b{index}[j];")
             elif phase[index] == current and node.op != "input":
-                kind = "bool" if node.boolean else "T"
-                value = f"r{index}[j]" if node.op == "sqrt" else _expression(node, names)
-                lines.append(f"const {kind} {name} = {value};")
+                lines.append(f"const {ctype(node)} {name} = {value(node, names)};")
                 if index in buffered_indices:
                     lines.append(f"b{index}[j] = {name};")
             if phase[index] == current and index in output_of:
-                lines.extend(f"out{k}[at] = {name};" for k in output_of[index])
+                lines.extend(store(k, node, name) for k in output_of[index])
         lines += [f"a{r.index}[j] = {names[r.args[0].index]};" for r in roots if phase[r.index] == current + 1]
         body = "\n        ".join(lines)
         loops.append(
@@ -180,51 +380,219 @@ def source(traced: Traced, dtype: torch.dtype) -> str:
         )
         for root in roots:
             if phase[root.index] == current + 1:
+                function = "sqrt_double" if types[root.index] == torch.float64 else "sqrt_float"
                 loops.append(
-                    f"if (sqrt_rows) sqrt_rows(static_cast<int>(count), a{root.index}, r{root.index});\n"
+                    f"if ({function}) {function}(static_cast<int>(count), a{root.index}, r{root.index});\n"
                     f"      else for (int64_t j = 0; j < count; ++j) r{root.index}[j] = std::sqrt(a{root.index}[j]);"
                 )
+    loops += [_encode_blocks(k, q) for k, q in quantized.items()]
     n_in, n_out = len(graph.inputs), len(traced.outputs)
-    loads = [f"const T* in{k} = static_cast<const T*>(pointer[{k}]);" for k in range(n_in)]
-    loads += [f"T* out{k} = static_cast<T*>(pointer[{n_in + k}]);" for k in range(n_out)]
-    scratch = [f"{'bool' if n.boolean else 'T'} b{n.index}[{_BLOCK}];" for n in buffered]
-    scratch += [f"T a{r.index}[{_BLOCK}], r{r.index}[{_BLOCK}];" for r in roots]
-    scalars = [f"const T s{k} = T(scalars[{k}]);" for k in range(len(graph.scalars))]
+    out_dtypes = [dtypes[first_slot + k] for k in range(slots)] + [dtypes[0]]
+    widths = [3 if k - first_slot in quantized else 1 for k in range(n_in)]
+    widths += [3 if k in quantized else 1 for k in range(n_out)]
+    offsets = [sum(widths[:k]) for k in range(len(widths))]
+    loads: list[str] = []
+    for k in range(n_in):
+        at = offsets[k]
+        if k - first_slot in quantized:
+            slot = k - first_slot
+            loads += [
+                f"const uint8_t* c{slot} = static_cast<const uint8_t*>(pointer[{at}]);",
+                f"const float* a{slot} = static_cast<const float*>(pointer[{at + 1}]);",
+                f"const float* m{slot} = fadam_maps + {2 * INFINITE} * maps_in[leaf * {len(quantized)} + "
+                f"{list(quantized).index(slot)}];",
+            ]
+        else:
+            stored = _STORED[dtypes[k]]
+            loads.append(f"const {stored}* in{k} = static_cast<const {stored}*>(pointer[{at}]);")
+    for k in range(n_out):
+        at = offsets[n_in + k]
+        if k in quantized:
+            loads += [
+                f"uint8_t* oc{k} = static_cast<uint8_t*>(pointer[{at}]);",
+                f"float* oa{k} = static_cast<float*>(pointer[{at + 1}]);",
+            ]
+        else:
+            stored = _STORED[out_dtypes[k]]
+            loads.append(f"{stored}* out{k} = static_cast<{stored}*>(pointer[{at}]);")
+    width = sum(widths)
+    map_pointers = [(offsets[first_slot + k] + 2, offsets[n_in + k] + 2, q.map_id) for k, q in quantized.items()]
+    scratch = [f"{ctype(n)} b{n.index}[{span}];" for n in buffered]
+    scratch += [f"{ctype(r)} a{r.index}[{span}], r{r.index}[{span}];" for r in roots]
+    scratch += [f"float q{k}[{span}], d{k}[{span}]; uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" for k in quantized]
     per_leaf = len(graph.leaf_scalars)
-    leaf_loads = [f"const T l{k} = T(leaf_scalars[leaf * {per_leaf} + {k}]);" for k in range(per_leaf)]
+    declared = [(op, line.replace("PER_LEAF", str(per_leaf))) for op, line in scalar_names.declarations()]
+    step_scalars = [line for op, line in declared if op == "scalar"]
+    leaf_loads = [line for op, line in declared if op == "leaf_scalar"]
     newline = "\n  "
     return f"""#define FADAM_ATEN_FMA {int(_aten_fma())}
 {_PRELUDE}
-typedef {_CTYPES[dtype]} T;
-
+{_codec_source(quantized.values())}
 extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* pointers, const double* scalars,
-                             const double* leaf_scalars, int64_t threads, SqrtRows sqrt_rows, MklThreads mkl_threads) {{
-  {newline.join(scalars)}
+                             const double* leaf_scalars, int64_t threads, SqrtRows sqrt_float, SqrtRows sqrt_double,
+                             MklThreads mkl_threads) {{
+  {newline.join(step_scalars)}
+  {_read_maps(map_pointers, width)}
   std::vector<int64_t> first(leaves + 1, 0);  // the first chunk of each leaf
-  for (int64_t leaf = 0; leaf < leaves; ++leaf) first[leaf + 1] = first[leaf] + (sizes[leaf] + {_CHUNK} - 1) / {_CHUNK};
+  for (int64_t leaf = 0; leaf < leaves; ++leaf) first[leaf + 1] = first[leaf] + (sizes[leaf] + {chunk} - 1) / {chunk};
   const int64_t chunks = first[leaves];
+  const bool mkl = (sqrt_float || sqrt_double) && mkl_threads;
 #pragma omp parallel num_threads(threads)
   {{
     // MKL would open a parallel region of its own inside each call from this thread
-    const int mkl_before = (sqrt_rows && mkl_threads) ? mkl_threads(1) : 0;
+    const int mkl_before = mkl ? mkl_threads(1) : 0;
     {" ".join(scratch)}
 #pragma omp for schedule(static)
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {{
       const int64_t leaf = std::upper_bound(first.begin(), first.end(), chunk) - first.begin() - 1;
-      void* const* pointer = pointers + leaf * {n_in + n_out};
+      void* const* pointer = pointers + leaf * {width};
       {(newline + "    ").join(loads + leaf_loads)}
-      const int64_t begin = (chunk - first[leaf]) * {_CHUNK};
-      const int64_t end = std::min(begin + {_CHUNK}, sizes[leaf]);
-      for (int64_t start = begin; start < end; start += {_BLOCK if passes > 1 else _CHUNK}) {{
-      const int64_t count = std::min<int64_t>({_BLOCK if passes > 1 else _CHUNK}, end - start);
+      const int64_t begin = (chunk - first[leaf]) * {chunk};
+      const int64_t end = std::min<int64_t>(begin + {chunk}, sizes[leaf]);
+      for (int64_t start = begin; start < end; start += {span}) {{
+      const int64_t count = std::min<int64_t>({span}, end - start);
       {(newline + "    ").join(loops)}
       }}
     }}
-    if (sqrt_rows && mkl_threads) mkl_threads(mkl_before);
+    if (mkl) mkl_threads(mkl_before);
   }}
+  {_write_maps(map_pointers, width)}
   return chunks;
 }}
 """
+
+
+def _read_maps(map_pointers: list[tuple[int, int, int]], width: int) -> str:
+    """Reads every quantized slot's stored map id before any code is written (a donated step writes them in place),
+    refusing an unknown one before anything changes."""
+    from fadam.quantization._maps import MAP_IDS
+
+    if not map_pointers:
+        return ""
+    count = len(map_pointers)
+    reads = " ".join(
+        f"maps_in[leaf * {count} + {k}] = *static_cast<const uint8_t*>(pointers[leaf * {width} + {read}]);"
+        for k, (read, _, _) in enumerate(map_pointers)
+    )
+    return f"""std::vector<int64_t> maps_in(leaves * {count});
+  for (int64_t leaf = 0; leaf < leaves; ++leaf) {{ {reads} }}
+  for (const int64_t id : maps_in) if (id < 0 || id >= {len(MAP_IDS)}) return -1;"""
+
+
+def _write_maps(map_pointers: list[tuple[int, int, int]], width: int) -> str:
+    writes = " ".join(
+        f"*static_cast<uint8_t*>(pointers[leaf * {width} + {write}]) = {map_id};" for _, write, map_id in map_pointers
+    )
+    return f"for (int64_t leaf = 0; leaf < leaves; ++leaf) {{ {writes} }}" if map_pointers else ""
+
+
+def _unpack_blocks(k: int, q: Quantized) -> str:
+    """The loop that spreads slot ``k``'s block scales of a pass over its elements (``d``), and at 4 bits its codes
+    one per byte (``u``): the element loops then read both at unit stride, which the compiler vectorizes."""
+    unpack = (
+        ""
+        if q.bits == 8
+        else f"""
+      for (int64_t j = 0; j < (count + 1) / 2; ++j) {{
+        const uint8_t byte = c{k}[start / 2 + j];
+        u{k}[2 * j] = byte & 15;
+        u{k}[2 * j + 1] = byte >> 4;
+      }}"""
+    )
+    return f"""for (int64_t b0 = 0; b0 < count; b0 += {q.block}) {{
+        std::fill(d{k} + b0, d{k} + std::min<int64_t>(b0 + {q.block}, count), a{k}[(start + b0) / {q.block}]);
+      }}{unpack}"""
+
+
+def _encode_blocks(k: int, q: Quantized) -> str:
+    """The loop that quantizes slot ``k``'s new values of a pass, block by block, as ``quantize_blockwise`` does:
+    the block's scale (its largest finite magnitude, negated with a floor of 2**-126 where it holds an infinity),
+    then each element's code for ``x * (1 / scale)`` (times the map's top below 1 in a block holding an infinity),
+    NaN as 0, clamped to [-1, 1]; 4-bit codes two per byte, a ragged block padded with the code of 0."""
+    if q.bits == 8:
+        write = f"std::copy(e{k}, e{k} + length, oc{k} + start + b0);"
+    else:
+        write = (
+            f"if (length & 1) e{k}[length] = fadam_encode{q.map_id}(0.0f);\n"
+            f"        for (int64_t j = 0; j < (length + 1) / 2; ++j) "
+            f"oc{k}[(start + b0) / 2 + j] = static_cast<uint8_t>(e{k}[2 * j] | (e{k}[2 * j + 1] << 4));"
+        )
+    return f"""for (int64_t b0 = 0; b0 < count; b0 += {q.block}) {{
+        const int64_t length = std::min<int64_t>({q.block}, count - b0);
+        float finite = 0.0f;
+        int infinite = 0;
+#pragma omp simd reduction(max : finite) reduction(| : infinite)
+        for (int64_t j = 0; j < length; ++j) {{
+          const float magnitude = std::fabs(q{k}[b0 + j]);
+          finite = std::isfinite(magnitude) && finite < magnitude ? magnitude : finite;
+          infinite |= magnitude == INFINITY;
+        }}
+        const float absmax = infinite ? -(finite < FLT_MIN ? FLT_MIN : finite) : finite;
+        const float scale = std::fabs(absmax);
+        float inverse = 1.0f / (scale > 0.0f ? scale : 1.0f);
+        if (absmax < 0.0f) inverse = inverse * {_literal(_finite_top(q.map_id), "float")};
+#pragma omp simd
+        for (int64_t j = 0; j < length; ++j) {{
+          const float y = q{k}[b0 + j] * inverse;
+          const float unit = y != y ? 0.0f : (y < -1.0f ? -1.0f : (1.0f < y ? 1.0f : y));
+          e{k}[j] = static_cast<uint8_t>(fadam_encode{q.map_id}(unit));
+        }}
+        {write}
+        oa{k}[(start + b0) / {q.block}] = absmax;
+      }}"""
+
+
+def _finite_top(map_id: int) -> float:
+    from fadam.quantization._maps import finite_tops
+
+    return float(finite_tops()[map_id])
+
+
+def _float_array(name: str, values: list[float]) -> str:
+    items = ", ".join(_literal(v, "float") for v in values)
+    return f"static const float {name}[{len(values)}] = {{{items}}};"
+
+
+def _codec_source(formats: Iterable[Quantized]) -> str:
+    """The decoding tables of every map and an encoder per map that the kernel writes with (``_maps.encode``'s
+    arithmetic first guess on the map's grid, then one midpoint comparison)."""
+    from fadam.quantization._maps import _GRIDS, code_maps, encode_tables, tables_on
+
+    formats = list(formats)
+    if not formats:
+        return ""
+    tables_on("cpu")  # builds the grids
+    parts = ["#include <cfloat>", _float_array("fadam_maps", code_maps().reshape(-1).tolist())]
+    thresholds = encode_tables()[1]
+    for map_id in sorted({f.map_id for f in formats}):
+        grid = _GRIDS[map_id]
+        parts.append(_float_array(f"fadam_mid{map_id}", thresholds[map_id].tolist()))
+        _, m0, k0 = grid.segments[0]
+        top = _f(grid.top)
+        select = "".join(
+            f"\n  m = a >= {_f(lo)} ? {_f(m)} : m; k = a >= {_f(lo)} ? {_f(k)} : k;" for lo, m, k in grid.segments[1:]
+        )
+        if grid.signed:
+            code = f"y < 0.0f ? {grid.zero} - guess - (a >= mid) : {grid.zero} + guess + (a > mid)"
+        else:
+            code = "y < 0.0f ? 0 : guess + (a > mid)"
+        parts.append(
+            f"""static inline int fadam_encode{map_id}(float y) {{
+  const float a = std::fabs(y);
+  float m = {_f(m0)}, k = {_f(k0)};{select}
+  const float position = a * m + k;
+  const int guess = static_cast<int>(position < 0.0f ? 0.0f : ({top} < position ? {top} : position));
+  const float mid = fadam_mid{map_id}[{grid.zero} + guess];
+  return {code};
+}}"""
+        )
+    return "\n".join(parts)
+
+
+def _f(value: float) -> str:
+    """A float32 literal of ``value`` rounded to float32, as torch rounds a Python number combined with a float32
+    tensor."""
+    return _literal(float(torch.tensor(value, dtype=torch.float32)), "float")
 
 
 def _reachable(outputs: tuple[Node, ...]) -> set[int]:
@@ -303,14 +671,12 @@ def _machine() -> str:
 class Kernel:
     """A compiled segment: ``run`` calls it on a table of leaf pointers."""
 
-    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.fadam_run
-        self._function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_void_p] * 2]
+        self._function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_void_p] * 3]
         self._function.restype = ctypes.c_int64
         self._library = library  # keeps the library loaded while the function is referenced
-        single, double, threads = _mkl_functions()
-        self._sqrt_rows = single if dtype == torch.float32 else double
-        self._mkl_threads = threads
+        self._mkl = [address or None for address in _mkl_functions()]
 
     def run(self, leaves: list[list[torch.Tensor]], scalars: list[float], leaf_scalars: list[float]) -> None:
         """Runs on ``leaves`` (per leaf: the inputs, then the outputs, all contiguous, of the kernel's dtype), with
@@ -321,16 +687,17 @@ class Kernel:
         leaf_values = array.array("d", leaf_scalars or [0.0])
         total = sum(sizes)
         threads = 1 if total < _SERIAL_BELOW else torch.get_num_threads()
-        self._function(
+        status = self._function(
             len(leaves),
             sizes.buffer_info()[0],
             pointers.buffer_info()[0],
             values.buffer_info()[0],
             leaf_values.buffer_info()[0],
             threads,
-            self._sqrt_rows or None,
-            self._mkl_threads or None,
+            *self._mkl,
         )
+        if status < 0:
+            raise ValueError("quantized state names an unknown map (map_id); nothing was written")
 
 
 def _library(text: str) -> ctypes.CDLL | None:
@@ -339,12 +706,13 @@ def _library(text: str) -> ctypes.CDLL | None:
     if compiler is None:
         _warn_once("no C++ compiler found (set CXX)")
         return None
-    key = hashlib.sha256("\0".join([text, *compiler, " ".join(_FLAGS), _machine()]).encode()).hexdigest()[:24]
+    described = "\0".join([text, *compiler, " ".join(_flags(compiler[1])), _machine()])
+    key = hashlib.sha256(described.encode()).hexdigest()[:24]
     folder = cache_dir() / "kernels"
     library_path = folder / f"{key}.so"
     if not library_path.exists():
         try:
-            _compile(compiler[0], text, folder, library_path)
+            _compile(compiler, text, folder, library_path)
         except (OSError, subprocess.SubprocessError) as err:
             _warn_once(f"compiling a kernel failed ({err})")
             return None
@@ -352,18 +720,19 @@ def _library(text: str) -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=512)
-def _load_source(text: str, dtype: torch.dtype) -> Kernel | None:
+def _load_source(text: str) -> Kernel | None:
     library = _library(text)
-    return None if library is None else Kernel(library, dtype)
+    return None if library is None else Kernel(library)
 
 
-def _compile(compiler: str, text: str, folder: Path, target: Path) -> None:
+def _compile(compiler: tuple[str, str], text: str, folder: Path, target: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
         src = Path(scratch) / "kernel.cpp"
         src.write_text(text)
         built = Path(scratch) / "kernel.so"
-        result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built)], capture_output=True, text=True)
+        command = [compiler[0], *_flags(compiler[1]), str(src), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr.strip().splitlines()[-1] if result.stderr else "failed")
         os.replace(built, target)  # atomic: another process loading the same key sees a whole library or none
@@ -374,6 +743,7 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"fadam: {reason}; composed steps run eagerly", stacklevel=4)
 
 
-def load(traced: Traced, dtype: torch.dtype) -> Kernel | None:
-    """The compiled kernel of ``traced`` for ``dtype`` (built on first use), or ``None`` without a compiler."""
-    return _load_source(source(traced, dtype), dtype)
+def load(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = ()) -> Kernel | None:
+    """The compiled kernel of ``traced`` for inputs of ``dtypes`` and slot ``formats`` (built on first use), or
+    ``None`` without a compiler."""
+    return _load_source(source(traced, dtypes, formats))

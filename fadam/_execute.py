@@ -26,12 +26,14 @@ import torch
 from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
 
 from fadam._base import add_update
-from fadam._cpu_kernel import KERNEL_DTYPES, load
+from fadam._cpu_kernel import KERNEL_DTYPES, Quantized, load, weight_scalars
 from fadam._dispatch import PLAIN_TYPES, functorch_wrapped, is_plain, real_view
 from fadam._program import (
     Elementwise,
     Program,
+    Slot,
     Stage,
+    Storage,
     eager_stage,
     leaf_selection,
     program_of,
@@ -42,6 +44,7 @@ from fadam._program import (
 )
 from fadam._tree import PyTree, check_leaves, tree_paths
 from fadam.combinators._masking import _select
+from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise, slot_map
 
 Leaves = list[torch.Tensor | None]
 
@@ -81,12 +84,24 @@ class Segment(NamedTuple):
     def opaque(self) -> bool:
         return self.stages[0].decl is None
 
+    @property
+    def storage(self) -> Storage | None:
+        """The storage of the segment's quantized slots (one per segment), if any stage has one."""
+        return next((s.storage for s in self.stages if s.storage is not None and s.decl.slots), None)
+
+
+def _storage_changes(current: list[Stage], stage: Stage) -> bool:
+    if not stage.decl.slots or stage.storage is None:
+        return False
+    held = Segment(tuple(current)).storage if current else None
+    return held is not None and held != stage.storage
+
 
 def segments(program: Program) -> list[Segment]:
     found: list[Segment] = []
     current: list[Stage] = []
     for stage in program.stages:
-        if stage.decl is None or (stage.decl.reduces and current):
+        if stage.decl is None or (current and (stage.decl.reduces or _storage_changes(current, stage))):
             if current:
                 found.append(Segment(tuple(current)))
             current = []
@@ -102,7 +117,9 @@ def segments(program: Program) -> list[Segment]:
 _KERNEL_PARAM_DTYPES = frozenset({*KERNEL_DTYPES, torch.complex64, torch.complex128})
 
 
-def ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], grad_enabled: bool) -> bool:
+def ready(
+    p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool, storage: Storage | None = None
+) -> bool:
     """Whether a leaf can take the generated kernel (``refusal`` says why not): the per-leaf check of every step,
     kept to one expression per tensor. The caller checks that torch.compile is not tracing."""
     if u is None:
@@ -111,10 +128,17 @@ def ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], gr
     if dtype not in _KERNEL_PARAM_DTYPES or (p.dim() == 0 and dtype != torch.float64):
         return False
     wrapped, strided = _functorch_wrapped, torch.strided
-    for tensor in (p, u, *slots):
+    # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
+    # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
+    slot_dtypes = (dtype,) if p.is_complex() or p.dim() == 0 else KERNEL_DTYPES
+    for number, tensor in enumerate((p, u, *slots)):
+        if type(tensor) is QuantizedArray:
+            if p.dim() == 0 or not _quantized_ready(tensor, p, storage, grad_enabled):
+                return False
+            continue
         if (
             type(tensor) not in PLAIN_TYPES
-            or tensor.dtype != dtype
+            or (tensor.dtype != dtype and (number < 2 or tensor.dtype not in slot_dtypes))
             or not tensor.is_cpu
             or tensor.layout != strided
             or (grad_enabled and tensor.requires_grad)
@@ -125,14 +149,47 @@ def ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], gr
     return True
 
 
-def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], grad_enabled: bool) -> str | None:
+_CODE_PARTS = ((torch.uint8, 1), (torch.float32, 1), (torch.uint8, 0))  # codes, absmax, map_id: dtype, dims
+
+
+def _quantized_ready(q: QuantizedArray, p: torch.Tensor, storage: Storage | None, grad_enabled: bool) -> bool:
+    """Whether a quantized slot leaf can take the kernel: of a real param, its codes, absmax and map id plain
+    contiguous CPU tensors of the sizes ``storage`` gives for the param."""
+    if storage is None or p.dtype not in KERNEL_DTYPES:
+        return False
+    sizes = expected_sizes(p.numel(), storage.bits, storage.block)
+    for tensor, (dtype, dims), size in zip(q[:3], _CODE_PARTS, (*sizes, 1)):
+        if (
+            type(tensor) not in PLAIN_TYPES
+            or tensor.dtype != dtype
+            or tensor.dim() != dims
+            or tensor.numel() != size
+            or not tensor.is_cpu
+            or tensor.layout != torch.strided
+            or (grad_enabled and tensor.requires_grad)
+            or not tensor.is_contiguous()
+            or _functorch_wrapped(tensor)
+        ):
+            return False
+    return True
+
+
+def refusal(
+    p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool, storage: Storage | None = None
+) -> str | None:
     """Why a leaf cannot take the generated kernel, or ``None`` if it can (``ready``)."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
-    if ready(p, u, slots, grad_enabled):
+    if ready(p, u, slots, grad_enabled, storage):
         return None
     if u is None:
         return "no gradient"
+    quantized = [slot for slot in slots if type(slot) is QuantizedArray]
+    if quantized and p.is_complex():
+        return f"quantized state of a {p.dtype} param"
+    if any(not _quantized_ready(q, p, storage, grad_enabled) for q in quantized):
+        return "its quantized state is not laid out as quantize_state lays it out on the CPU"
+    slots = [slot for slot in slots if type(slot) is not QuantizedArray]
     for tensor in (p, u, *slots):
         if type(tensor) not in PLAIN_TYPES:
             return f"a {type(tensor).__name__}, not a plain tensor"
@@ -147,9 +204,11 @@ def refusal(p: torch.Tensor, u: torch.Tensor | None, slots: list[torch.Tensor], 
     dtype = real_view(p).dtype
     if p.dim() == 0 and dtype != torch.float64:
         return "a 0-d leaf, which computes with float64 scalars"
+    if p.dim() == 0 and (quantized or any(t.dtype != dtype for t in slots)):
+        return "a 0-d leaf with state of another dtype (its float64 scalars promote it)"
     if dtype not in KERNEL_DTYPES:
-        return f"{p.dtype} (the kernel takes float32 and float64)"
-    return "its gradient or state has another dtype than the param"
+        return f"{p.dtype} (the kernel takes float32, float64 and bfloat16)"
+    return "its gradient has another dtype than the param, or its state a dtype the kernel does not take"
 
 
 def _graph_scalar(value: Any, grad_enabled: bool) -> bool:
@@ -193,7 +252,7 @@ def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> di
             references = [leaf for leaf, keep in zip(param_leaves, selected) if keep]
         else:  # no mask: every leaf, in the params' order
             selected, like, positions, references = everything, spec, every_position, param_leaves
-        if any(optree.tree_structure(tree, none_is_leaf=True) != like for tree in trees):
+        if any(optree.tree_structure(tree, is_leaf=_is_quantized, none_is_leaf=True) != like for tree in trees):
             return None
         slots = [like.flatten_up_to(tree) for tree in trees]
         if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
@@ -202,8 +261,14 @@ def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> di
     return found
 
 
+def _is_quantized(node: Any) -> bool:
+    return type(node) is QuantizedArray
+
+
 def _same_place(slot: Any, reference: Any) -> bool:
     """Whether a slot leaf has its param's (or update's) shape and device, as its ``init`` made it."""
+    if type(slot) is QuantizedArray and isinstance(reference, torch.Tensor):
+        return slot.shape == reference.shape and slot.codes.device == reference.device
     if reference is None or not isinstance(slot, torch.Tensor):
         return reference is None or slot is None
     return slot.shape == reference.shape and slot.device == reference.device
@@ -317,7 +382,7 @@ def _any_kernel_leaf(parts: list[Segment], params: Leaves, grads: Leaves, leaves
     grad_enabled = torch.is_grad_enabled()
     first = next((part for part in parts if not part.opaque), None)
     return first is not None and any(
-        ready(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled)
+        ready(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled, first.storage)
         for i, (p, g) in enumerate(zip(params, grads))
     )
 
@@ -351,7 +416,9 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
             else [
                 i
                 for i in members
-                if ready(_reference(step, i), step.updates[i], _slots_of(part, step.leaves, i), grad_enabled)
+                if ready(
+                    _reference(step, i), step.updates[i], _slots_of(part, step.leaves, i), grad_enabled, part.storage
+                )
             ]
         )
         if kernel:
@@ -376,15 +443,35 @@ def _run_eager(
 ) -> None:
     updates = [step.updates[i] for i in members]
     for k in chosen:
-        decl, entry = part.stages[k].decl, step.leaves[part.stages[k].path]
+        stage = part.stages[k]
+        decl, entry = stage.decl, step.leaves[stage.path]
         where = [entry.position[i] for i in members]
         params = [step.params[i] for i in members] if decl.uses_params else [None] * len(members)
-        updates, results = eager_stage(decl, scalars[k], updates, params, [[s[w] for w in where] for s in new_slots[k]])
-        for slot, result in zip(new_slots[k], results):
-            for w, value in zip(where, result):
-                slot[w] = value
+        given = [[s[w] for w in where] for s in new_slots[k]]
+        full = [[decode_slot(leaf, stage.storage) for leaf in leaves] for leaves in given]
+        updates, results = eager_stage(decl, scalars[k], updates, params, full)
+        for slot, spec, old, decoded, result in zip(new_slots[k], decl.slots, given, full, results):
+            for w, leaf, before, value in zip(where, old, decoded, result):
+                # a leaf the stage left as it was (no gradient) keeps its codes exactly
+                slot[w] = leaf if value is before else encode_slot(value, leaf, spec, stage.storage)
     for i, u in zip(members, updates):
         step.updates[i] = u
+
+
+def decode_slot(leaf: Any, storage: Storage | None) -> Any:
+    """A slot leaf in full precision: a quantized one decoded to float32, any other as it is."""
+    if type(leaf) is not QuantizedArray:
+        return leaf
+    return dequantize_blockwise(leaf, bits=storage.bits, block_size=storage.block)
+
+
+def encode_slot(value: Any, stored: Any, slot: Slot, storage: Storage | None) -> Any:
+    """A slot's new value stored as its old leaf was: requantized with the slot's map (``slot_map``) where that was
+    quantized."""
+    if type(stored) is not QuantizedArray:
+        return value
+    map_id = torch.full((), slot_map(slot.nonnegative, storage.bits), dtype=torch.uint8, device=stored.map_id.device)
+    return quantize_blockwise(value, storage.bits, storage.block, map_id=map_id)
 
 
 def _run_kernel(
@@ -401,11 +488,25 @@ def _run_kernel(
     traced = trace(tuple(decls), applies)
     values = scalar_values([scalars[k] for k in chosen], traced.graph)
     leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    slot_specs = [slot for decl in decls for slot in decl.slots]
+    # the inputs' dtypes (a quantized slot's: float32) and which slots are quantized -> the leaves
+    by_layout: dict[tuple[tuple[torch.dtype, ...], tuple[bool, ...]], list[int]] = {}
     for i in members:
-        by_dtype.setdefault(real_view(_reference(step, i)).dtype, []).append(i)
-    for dtype, group in by_dtype.items():
-        kernel = load(traced, dtype)
+        slot_leaves = _slots_of(part, step.leaves, i)
+        stored = tuple(type(leaf) is QuantizedArray for leaf in slot_leaves)
+        dtype = real_view(_reference(step, i)).dtype
+        slot_dtypes = tuple(torch.float32 if q else real_view(leaf).dtype for leaf, q in zip(slot_leaves, stored))
+        inputs = (dtype, *([dtype] if traced.reads_params else []), *slot_dtypes)
+        by_layout.setdefault((inputs, stored), []).append(i)
+    rounded_tensors = _tensor_weights(traced, [scalars[k] for k in chosen])
+    for (dtypes, stored), group in by_layout.items():
+        storage = part.storage
+        formats = tuple(
+            Quantized(storage.bits, storage.block, slot_map(slot.nonnegative, storage.bits)) if quantized else None
+            for slot, quantized in zip(slot_specs, stored)
+        )
+        low_precision = rounded_tensors and torch.bfloat16 in dtypes
+        kernel = None if low_precision else load(traced, dtypes, formats if any(stored) else ())
         if kernel is None:
             _run_eager(part, chosen, scalars, group, step, new_slots)
             continue
@@ -417,9 +518,9 @@ def _run_kernel(
                 leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
             where = [(k, step.leaves[part.stages[k].path].position[i]) for k in chosen]
             slot_in = [slot[w] for k, w in where for slot in new_slots[k]]
-            slot_out = slot_in if donate else [torch.empty_like(t) for t in slot_in]
+            slot_out = slot_in if donate else [_empty_like(t) for t in slot_in]
             final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
-            row = [u, *([p] if traced.reads_params else []), *slot_in, *slot_out, final]
+            row = [u, *([p] if traced.reads_params else []), *_pointed(slot_in), *_pointed(slot_out), final]
             rows.append([real_view(t) for t in row] if u.is_complex() else row)
             written.append((where, slot_out, final))
         kernel.run(rows, values, leaf_values)
@@ -434,6 +535,33 @@ def _run_kernel(
                 step.updates[i] = final
 
 
+def _tensor_weights(traced: Any, scalars: list[dict]) -> bool:
+    """Whether a tensor scalar is lerp's weight, addcmul's value or add's alpha in ``traced``: EagerOps rounds such a
+    tensor to a bfloat16 leaf's dtype where ATen keeps a number in float, so bfloat16 leaves then run eagerly."""
+    tensors = {
+        f"{j}.{name}" for j, found in enumerate(scalars) for name, v in found.items() if isinstance(v, torch.Tensor)
+    }
+    return bool(tensors & weight_scalars(traced))
+
+
+def _empty_like(leaf: Any) -> Any:
+    if type(leaf) is QuantizedArray:
+        codes, absmax, map_id = (torch.empty_like(t) for t in leaf[:3])
+        return leaf._replace(codes=codes, absmax=absmax, map_id=map_id)
+    return torch.empty_like(leaf)
+
+
+def _pointed(leaves: list[Any]) -> list[torch.Tensor]:
+    """The tensors a kernel reads or writes for ``leaves``: a quantized one's codes, absmax and map id."""
+    found = []
+    for leaf in leaves:
+        if type(leaf) is QuantizedArray:
+            found.extend(leaf[:3])
+        else:
+            found.append(leaf)
+    return found
+
+
 def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree | None = None) -> str:
     """Which backend each group of ``params``' leaves takes in ``fadam.step(tx, params, grads, state)``, and why.
 
@@ -443,8 +571,8 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     Example:
         >>> import torch, fadam
         >>> tx = fadam.chain(fadam.scale_by_lion(), fadam.scale(-1e-4))
-        >>> print(fadam.explain(tx, {"w": torch.zeros(4), "h": torch.zeros(2, dtype=torch.bfloat16)}))
-        scale_by_lion -> scale: eager: torch.bfloat16 (the kernel takes float32 and float64): ['h']
+        >>> print(fadam.explain(tx, {"w": torch.zeros(4), "h": torch.zeros(2, dtype=torch.float16)}))
+        scale_by_lion -> scale: eager: torch.float16 (the kernel takes float32, float64 and bfloat16): ['h']
         scale_by_lion -> scale: generated CPU kernel: ['w']
     """
     grads = grads if grads is not None else optree.tree_map(torch.zeros_like, params)
@@ -459,16 +587,33 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     if leaves is None:
         return "\n".join([*lines, "eager: the state is not laid out as the transform's init lays it out"])
     grad_enabled = torch.is_grad_enabled()
-    for part in segments(program):
+    parts = segments(program)
+    for number, part in enumerate(parts):
         if part.opaque:
             lines.append(f"{_opaque_name(part.stages[0])}: eager (an opaque transform): all {len(paths)} leaves")
             continue
+        scalars = [  # as the step computes them, here from the given grads
+            stage.decl.scalars(
+                state_at(state, stage.path).count if stage.decl.counted else None,
+                [g for g, keep in zip(grad_leaves, leaves[stage.path].selected) if keep],
+            )
+            for stage in part.stages
+        ]
+        recorded = any(_graph_scalar(v, grad_enabled) for found in scalars for v in found.values())
         groups: dict[tuple[str, str], list[str]] = {}
         for i, (p, g) in enumerate(zip(param_leaves, grad_leaves)):
-            names = " -> ".join(s.decl.name for s in part.stages if leaves[s.path].selected[i])
+            chosen = [k for k, s in enumerate(part.stages) if leaves[s.path].selected[i]]
+            names = " -> ".join(part.stages[k].decl.name for k in chosen)
             if not names:
                 continue  # its mask leaves the leaf out of every stage here
-            reason = refusal(p, g, _slots_of(part, leaves, i), grad_enabled)
+            slots = _slots_of(part, leaves, i)
+            reason = refusal(p, g, slots, grad_enabled, part.storage)
+            if reason is None and recorded:
+                reason = "a hyperparameter that autograd or torch.func records"
+            low = [t.dtype for t in (p, *slots) if isinstance(t, torch.Tensor)]
+            traced = trace(tuple(part.stages[k].decl for k in chosen), number == len(parts) - 1)
+            if reason is None and torch.bfloat16 in low and _tensor_weights(traced, [scalars[k] for k in chosen]):
+                reason = "a bfloat16 leaf with a tensor as lerp's weight, addcmul's value or add's alpha"
             backend = "generated CPU kernel" if reason is None else f"eager: {reason}"
             groups.setdefault((names, backend), []).append(paths[i])
         for (names, backend), members in sorted(groups.items()):

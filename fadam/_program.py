@@ -260,6 +260,15 @@ def eager_stage(
 # ---------------------------------------------------------------------------------------------------------- programs
 
 
+class Storage(NamedTuple):
+    """How a stage's slots are kept between steps where its state holds ``QuantizedArray`` leaves
+    (``fadam.quantize_state``): ``bits`` per element in blocks of ``block`` elements. The other leaves of those slots
+    are plain tensors, as ``init`` made them."""
+
+    bits: int
+    block: int
+
+
 class Stage(NamedTuple):
     """One member of a program: a declaration, or an opaque transform (``decl`` ``None``), with the path of its state
     inside the program's state (indices into tuples, keys into dicts, field names of named tuples), and the masks
@@ -273,6 +282,7 @@ class Stage(NamedTuple):
     # a transform that builds its inner transform at each step (inject_hyperparams): given its state, the inner
     # program, the field of its state that holds the inner state, and its own state after the step but for that field
     expand: Callable[[Any], tuple[Program, str, Any]] | None = None
+    storage: Storage | None = None
 
 
 class Program(NamedTuple):
@@ -288,6 +298,10 @@ class Program(NamedTuple):
         return Program(
             tuple(s._replace(path=(key, *s.path), selections=(selection, *s.selections)) for s in self.stages)
         )
+
+    def stored(self, storage: Storage, key: str) -> Program:
+        """The program with its slots kept as ``storage`` says, its state under ``key``."""
+        return Program(tuple(s._replace(path=(key, *s.path), storage=storage) for s in self.stages))
 
     @property
     def declared(self) -> bool:
@@ -308,7 +322,11 @@ class Program(NamedTuple):
             state = with_state_at(state, (*stage.path, field), state_inner)
             for s in inner.stages:
                 stages.append(
-                    s._replace(path=(*stage.path, field, *s.path), selections=stage.selections + s.selections)
+                    s._replace(
+                        path=(*stage.path, field, *s.path),
+                        selections=stage.selections + s.selections,
+                        storage=s.storage or stage.storage,
+                    )
                 )
         return Program(tuple(stages)), state
 
@@ -510,8 +528,8 @@ class TraceOps:
     def clamp(self, x: Node, low: Any, high: Any) -> Node:
         return self._graph.apply("clamp", x, low, high)
 
-    def cast(self, x: Node, like: Node) -> Node:
-        return x  # a traced segment has one dtype
+    def cast(self, x: Any, like: Node) -> Any:
+        return _cast(self._graph, x, like)
 
     def lerp(self, start: Node, end: Node, weight: Any) -> Node:
         return self._graph.apply("lerp", start, end, weight)
@@ -552,10 +570,18 @@ def trace(decls: tuple[Elementwise, ...], applies: bool) -> Traced:
             | {name: graph.leaf_scalar(f"{i}.{name}") for name in leaf_names}
         )
         result = decl.body(ops, s, u, p if decl.uses_params else None, *slot_inputs[i])
-        u = graph.lift(result[0])
-        outputs.extend(graph.lift(r) for r in result[1:])
+        # each stage returns its update in its input's dtype and its slots in theirs (eager_stage)
+        u = _cast(graph, graph.lift(result[0]), u)
+        outputs.extend(_cast(graph, graph.lift(r), slot) for r, slot in zip(result[1:], slot_inputs[i]))
     outputs.append(graph.apply("add", p, u) if applies else u)
     return Traced(graph, reads_params, tuple(outputs), applies)
+
+
+def _cast(graph: Graph, x: Any, like: Node) -> Any:
+    """``x`` in ``like``'s dtype (a number stays a number)."""
+    if not isinstance(x, Node) or not x.elementwise or x is like:
+        return x
+    return graph.apply("cast", x, like)
 
 
 def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:

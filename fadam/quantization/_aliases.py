@@ -4,16 +4,12 @@ use ``adamw8bit`` for decoupled decay, which is what bitsandbytes' ``Adam8bit`` 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
-from fadam._tree import PyTree
+from fadam._base import GradientTransformation, ScalarOrSchedule
 from fadam.aliases import _check_adam_args, _check_lion_args, _check_lr, _head, _tail
 from fadam.combinators._chain import chain
-from fadam.quantization._fused import fused_quantized_adam_step
-from fadam.quantization._wrapper import DEFAULT_BLOCK_SIZE, quantize_state
+from fadam.quantization._wrapper import quantize_state
 from fadam.transforms._adam import scale_by_adam
 from fadam.transforms._ademamix import scale_by_ademamix
 from fadam.transforms._lion import scale_by_lion
@@ -44,31 +40,7 @@ def _quantized_adam(
         scale_by_learning_rate(lr),
         *tail,
     ]
-    tx = chain(*members)
-    if amsgrad:
-        return tx
-    fused_step, fused_update = fused_quantized_adam_step(
-        members=len(members),
-        adam_index=len(head),
-        lr=lr,
-        b1=betas[0],
-        b2=betas[1],
-        eps=eps,
-        weight_decay=weight_decay,
-        decoupled=decoupled,
-        maximize=maximize,
-        bits=bits,
-        block_size=DEFAULT_BLOCK_SIZE[bits] if block_size is None else block_size,
-    )
-
-    def update(
-        updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
-    ) -> tuple[PyTree, PyTree]:
-        # the fused kernels when the tensors allow them, else the chain (which ignores extra_args too)
-        result = fused_update(updates, state, params)
-        return tx.update(updates, state, params, **extra_args) if result is None else result
-
-    return GradientTransformation(tx.init, FusibleUpdate(update, fused_step))
+    return chain(*members)
 
 
 def adam8bit(

@@ -63,6 +63,13 @@ def map_pair(bits: int) -> tuple[int, int]:
     raise ValueError(f"bits must be 4 or 8, got {bits}")
 
 
+def slot_map(nonnegative: bool, bits: int) -> int:
+    """The map a declared slot's codes are written with: the non-negative one for a slot its transform keeps >= 0
+    (``Slot.nonnegative``: a second moment), the signed one for any other, whatever the values of a step."""
+    signed, unsigned = map_pair(bits)
+    return unsigned if nonnegative else signed
+
+
 def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     n = flat.shape[-1]
     padded = -(-n // block_size) * block_size

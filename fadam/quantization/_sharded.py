@@ -68,10 +68,11 @@ def _wrap(local: torch.Tensor, like: Any) -> Any:
     )
 
 
-def quantize_sharded(x: Any, bits: int, block_size: int) -> QuantizedArray:
-    """Quantizes each rank's shard of the DTensor ``x`` (see the module docstring for the layout)."""
+def quantize_sharded(x: Any, bits: int, block_size: int, map_id: torch.Tensor | None = None) -> QuantizedArray:
+    """Quantizes each rank's shard of the DTensor ``x`` (see the module docstring for the layout), with the map
+    ``map_id`` forces or, by default, the one its local values call for."""
     local = x.to_local()
-    q = quantize_blockwise(local, bits, block_size)
+    q = quantize_blockwise(local, bits, block_size, map_id=map_id)
     codes = q.codes
     if bits == 4:  # one code per byte, so that the codes shard like the param
         codes = unpack_codes(codes, 4)[: local.numel()].to(torch.uint8)

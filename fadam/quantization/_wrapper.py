@@ -10,9 +10,16 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._dispatch import is_dtensor
+from fadam._program import Program, Storage, program_of, state_at, with_program
 from fadam._tree import PyTree, path_str
 from fadam.combinators._masking import MaskedNode, _full_tree
-from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise
+from fadam.quantization._codec import (
+    QuantizedArray,
+    dequantize_blockwise,
+    expected_sizes,
+    quantize_blockwise,
+    slot_map,
+)
 from fadam.quantization._sharded import check_sharded_args, dequantize_sharded, quantize_sharded
 from fadam.transforms._validation import check_state
 
@@ -171,6 +178,12 @@ def quantize_state(
         updates: PyTree, state: QuantizedState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, QuantizedState]:
         check_state(state, QuantizedState, "quantize_state")
+        if declared:
+            from fadam._execute import run_update  # the executor builds on the quantization package
+
+            compiled = run_update(program, updates, state, params)
+            if compiled is not None:
+                return compiled
         update_leaves, updates_spec = _flatten(updates)
         leaves, spec = _flatten(state.inner_state)
         paths = spec.paths()
@@ -207,6 +220,7 @@ def quantize_state(
                     f"its update has shape {tuple(g.shape)} (expected {expected_sizes(g.numel(), bits, block)})"
                 )
             full[index] = passed[index] = dequantize_blockwise(leaf, bits=bits, block_size=block)
+        maps = declared_maps(state.inner_state)
         new_updates, new_inner = inner.update(updates, spec.unflatten(full), params, **extra_args)
         new_leaves, new_spec = _flatten(new_inner)
         if new_spec != spec:
@@ -216,13 +230,45 @@ def quantize_state(
             new = new_leaves[index]
             if new is old:
                 new_leaves[index] = leaves[index]
-            elif is_dtensor(new):
-                new_leaves[index] = quantize_sharded(new, bits, block)
+                continue
+            map_id = next((m for prefix, m in maps if paths[index][: len(prefix)] == prefix), None)
+            if map_id is not None:
+                map_id = torch.full((), map_id, dtype=torch.uint8, device=leaves[index].map_id.device)
+            if is_dtensor(new):
+                new_leaves[index] = quantize_sharded(new, bits, block, map_id)
             else:
-                new_leaves[index] = quantize_blockwise(new, bits, block)
+                new_leaves[index] = quantize_blockwise(new, bits, block, map_id=map_id)
         return new_updates, QuantizedState(new_spec.unflatten(new_leaves))
 
-    return GradientTransformation(init, update)
+    inner_program = program_of(inner)
+    declared = all(stage.decl is not None or stage.expand is not None for stage in inner_program.stages)
+    program = inner_program.stored(Storage(bits, block), "inner_state") if declared else Program(())
+
+    def declared_maps(inner_state: PyTree) -> list[tuple[tuple, int]]:
+        """The map of each declared slot's quantized leaves, as ``(path prefix, map)`` in ``_flatten``'s paths: the
+        slot's (``slot_map``), as the generated kernel writes it; other quantized leaves take the map their values
+        call for."""
+        if not declared:
+            return []
+        stages, expanded_state = inner_program.expanded(inner_state)
+        found = []
+        for stage in stages.stages:
+            stage_state = state_at(expanded_state, stage.path)
+            prefix = _index_path(expanded_state, stage.path)
+            for slot in stage.decl.slots:
+                found.append(((*prefix, stage_state._fields.index(slot.name)), slot_map(slot.nonnegative, bits)))
+        return found
+
+    return with_program(init, update, program)
+
+
+def _index_path(state: Any, path: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``path`` (``Stage.path``: named tuples' fields by name) as optree's paths spell it (fields by position)."""
+    spelled = []
+    for key in path:
+        spelled.append(state._fields.index(key) if isinstance(key, str) and hasattr(state, "_fields") else key)
+        state = state_at(state, (key,))
+    return tuple(spelled)
 
 
 def _check_sharded(leaf: QuantizedArray, g: Any, block: int, where: str) -> None:

@@ -86,8 +86,8 @@ def add_decoupled_weight_decay(
         return {"factor": 1 - lr * decay}
 
     def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
-        # the factor rounds to the param's dtype first, as torch's p.mul_(1 - lr * weight_decay) rounds it
-        return (g - o.cast(p - p * o.cast(s.factor, p), g),)
+        # torch.optim's p.mul_(1 - lr * weight_decay), as an update: p's dtype multiplies by the factor
+        return (g - o.cast(p - p * s.factor, g),)
 
     state_type = ScaleByScheduleState if counted else EmptyState
     return elementwise(
