@@ -401,6 +401,7 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         for stage, stage_state, entry in zip(part.stages, stage_states, entries)
     ]
     eager_only = any(_graph_scalar(v, grad_enabled) for stage in scalars for v in stage.values())
+    storage = part.storage
     groups: dict[tuple[bool, ...], list[int]] = {}  # the stages that apply to a leaf -> its leaves
     if all(not stage.selections for stage in part.stages):
         groups[(True,) * len(entries)] = list(range(len(step.params)))
@@ -410,20 +411,15 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
     new_slots = [[list(slot) for slot in entry.slots] for entry in entries]
     for applying, members in groups.items():
         chosen = [k for k, flag in enumerate(applying) if flag]
-        kernel = (
-            []
-            if eager_only or not chosen
-            else [
-                i
-                for i in members
-                if ready(
-                    _reference(step, i), step.updates[i], _slots_of(part, step.leaves, i), grad_enabled, part.storage
-                )
-            ]
-        )
+        kernel: dict[int, list[Any]] = {}  # the leaves that take the kernel -> their slot leaves
+        if not eager_only and chosen:
+            for i in members:
+                slots = _slots_of(part, step.leaves, i)
+                if ready(_reference(step, i), step.updates[i], slots, grad_enabled, storage):
+                    kernel[i] = slots
         if kernel:
             _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate)
-        taken = set(kernel)
+        taken = kernel
         eager = [i for i in members if i not in taken]
         if eager and chosen:
             _run_eager(part, chosen, scalars, eager, step, new_slots)
@@ -478,12 +474,14 @@ def _run_kernel(
     part: Segment,
     chosen: list[int],
     scalars: list[dict],
-    members: list[int],
+    members: dict[int, list[Any]],
     step: _Step,
     new_slots: list,
     applies: bool,
     donate: bool,
 ) -> None:
+    """Runs the stages ``chosen`` of ``part`` in the generated kernel on ``members`` (leaf -> its slot leaves, which
+    the kernel reads and, donated, writes)."""
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(tuple(decls), applies)
     values = scalar_values([scalars[k] for k in chosen], traced.graph)
@@ -491,8 +489,7 @@ def _run_kernel(
     slot_specs = [slot for decl in decls for slot in decl.slots]
     # the inputs' dtypes (a quantized slot's: float32) and which slots are quantized -> the leaves
     by_layout: dict[tuple[tuple[torch.dtype, ...], tuple[bool, ...]], list[int]] = {}
-    for i in members:
-        slot_leaves = _slots_of(part, step.leaves, i)
+    for i, slot_leaves in members.items():
         stored = tuple(type(leaf) is QuantizedArray for leaf in slot_leaves)
         dtype = real_view(_reference(step, i)).dtype
         slot_dtypes = tuple(torch.float32 if q else real_view(leaf).dtype for leaf, q in zip(slot_leaves, stored))
@@ -511,16 +508,18 @@ def _run_kernel(
             _run_eager(part, chosen, scalars, group, step, new_slots)
             continue
         rows, written, leaf_values = [], [], []
+        quantized_group = any(stored)
         for i in group:
             p, u = step.params[i], step.updates[i]
             if leaf_reducing:  # a leaf reduction runs first in its segment, on the segment's input
                 own = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
                 leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
             where = [(k, step.leaves[part.stages[k].path].position[i]) for k in chosen]
-            slot_in = [slot[w] for k, w in where for slot in new_slots[k]]
+            slot_in = members[i]
             slot_out = slot_in if donate else [_empty_like(t) for t in slot_in]
             final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
-            row = [u, *([p] if traced.reads_params else []), *_pointed(slot_in), *_pointed(slot_out), final]
+            pointed = (*_pointed(slot_in), *_pointed(slot_out)) if quantized_group else (*slot_in, *slot_out)
+            row = [u, *([p] if traced.reads_params else []), *pointed, final]
             rows.append([real_view(t) for t in row] if u.is_complex() else row)
             written.append((where, slot_out, final))
         kernel.run(rows, values, leaf_values)

@@ -475,7 +475,8 @@ def _bfloat16_params():
     }
 
 
-# bfloat16 leaves that meet a tensor as lerp's weight or add's alpha (a scheduled weight decay) run eagerly: EagerOps rounds such a tensor to bfloat16, where ATen keeps a number in float
+# bfloat16 leaves that meet a tensor as lerp's weight or add's alpha (a scheduled weight decay) run eagerly: EagerOps
+# rounds such a tensor to bfloat16, where ATen keeps a number in float
 _BFLOAT16_EAGER = {"decay-schedule"}
 
 

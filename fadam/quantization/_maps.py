@@ -16,13 +16,13 @@ al., 2022; Li et al., 2023):
 Encoding rounds to the nearest code. ``encode_tables`` precomputes, for every bfloat16 bit pattern (the top 16 bits
 of a float32), the nearest code of the smallest float32 with those top bits; since no map has two midpoints inside
 one such interval (checked when the tables are built), ``code = table[top16(y)] + (y > midpoint[table[...]])`` is
-the exact nearest code with two table reads and no search. The compiled fused kernels know the map statically and
-use ``encode`` with an int ``map_id``: the magnitude's position on the map's grid is computed arithmetically (each
-decade is a linear grid, so it is ``|y| * M + K`` with the decade's constants chosen by comparisons); its floor is
-the true code or one below it, and one read of the midpoint table settles which. It gives the same codes as the table
-encoder (the constants are checked when built; benchmarks/check_encoder_exhaustive.py found no difference on any
-float32 in [-1, 1] for any map), with no bit reinterpretation and one gather instead of two: inductor's C++ backend
-emits both as scalar loops.
+the exact nearest code with two table reads and no search; the eager codec encodes so. The generated CPU kernel
+(``fadam._cpu_kernel``) knows each slot's map statically and encodes as ``encode`` with an int ``map_id`` does: the
+magnitude's position on the map's grid is computed arithmetically (each decade is a linear grid, so it is
+``|y| * M + K`` with the decade's constants chosen by comparisons); its floor is the true code or one below it, and one
+read of the midpoint table settles which. It gives the same codes as the table encoder (the constants are checked when
+built; benchmarks/check_encoder_exhaustive.py compares the two on every float32 in [-1, 1] for every map), with one
+table read instead of two.
 
 Each map also has a second set of 256 values, for a block that holds an infinity (``fadam.quantization._codec``): there
 the codes of ``+-1`` stand for ``+-inf``, and the block's finite entries are encoded for ``x * (1 / absmax) * top``,
