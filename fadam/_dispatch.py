@@ -161,28 +161,6 @@ def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:
     )
 
 
-def plain_on_device(tensors: Sequence[torch.Tensor], like: torch.Tensor, grad_enabled: bool) -> bool:
-    """Whether every tensor is plain (``is_plain``, with ``grad_enabled`` for ``torch.is_grad_enabled()``),
-    contiguous (as ``plain_on_fused_devices``) and on ``like``'s device, a CPU or CUDA one: a step's per-leaf check,
-    with tracing (``functorch_wrapped``'s answer then) and grad mode asked once per step by the caller."""
-    cpu = like.is_cpu
-    if not (cpu or like.is_cuda):  # FUSED_DEVICE_TYPES
-        return False
-    index = -1 if cpu else like.get_device()
-    strided, wrapped = torch.strided, _functorch.is_functorch_wrapped_tensor
-    for tensor in tensors:  # a loop, not all(...): this runs for each of a step's leaves
-        if (
-            type(tensor) not in PLAIN_TYPES
-            or tensor.layout != strided
-            or wrapped(tensor)
-            or (grad_enabled and tensor.requires_grad)
-            or not tensor.is_contiguous()
-            or not (tensor.is_cpu if cpu else tensor.is_cuda and tensor.get_device() == index)
-        ):
-            return False
-    return True
-
-
 def can_fuse(tensors: Iterable[torch.Tensor | None]) -> bool:
     """Whether an in-place fused kernel may run on these tensors (none missing, all plain and contiguous, on a fused
     device, of a fused dtype)."""

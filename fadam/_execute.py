@@ -339,12 +339,23 @@ def _run(
     for number, part in enumerate(parts):
         if part.opaque:
             stage = part.stages[0]
-            new_updates, new_state = stage.tx.update(spec.unflatten(step.updates), state_at(state, stage.path), params)
-            step.updates[:] = spec.flatten_up_to(new_updates)
+            step.updates[:], new_state = _run_opaque(stage, spec, step.updates, state_at(state, stage.path), params)
             state = with_state_at(state, stage.path, new_state)
         else:
             state = _run_segment(part, state, step, applies and number == len(parts) - 1, donate)
     return step, state, spec
+
+
+def _run_opaque(stage: Stage, spec: Any, updates: Leaves, state: Any, params: PyTree | None) -> tuple[Leaves, Any]:
+    """An opaque stage's update of the leaves its masks select (``masked`` gives it those only); the others pass."""
+    if not stage.selections:
+        new_updates, new_state = stage.tx.update(spec.unflatten(updates), state, params)
+        return spec.flatten_up_to(new_updates), new_state
+    selected = leaf_selection(stage, spec.unflatten(updates) if params is None else params)
+    inner_params = None if params is None else _select(params, selected)
+    new_updates, new_state = stage.tx.update(_select(spec.unflatten(updates), selected), state, inner_params)
+    new_leaves = iter(optree.tree_leaves(new_updates, none_is_leaf=True))
+    return [next(new_leaves) if keep else u for u, keep in zip(updates, selected)], new_state
 
 
 def fast_step(tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
@@ -394,10 +405,7 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
     stage_states = [state_at(state, stage.path) for stage in part.stages]
     entries = [step.leaves[stage.path] for stage in part.stages]
     scalars = [
-        stage.decl.scalars(
-            stage_state.count if stage.decl.counted else None,
-            [u for u, keep in zip(step.updates, entry.selected) if keep],
-        )
+        stage.decl.scalars(stage_state, [u for u, keep in zip(step.updates, entry.selected) if keep])
         for stage, stage_state, entry in zip(part.stages, stage_states, entries)
     ]
     eager_only = any(_graph_scalar(v, grad_enabled) for stage in scalars for v in stage.values())
@@ -423,9 +431,9 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         eager = [i for i in members if i not in taken]
         if eager and chosen:
             _run_eager(part, chosen, scalars, eager, step, new_slots)
-    for stage, stage_state, entry, slots in zip(part.stages, stage_states, entries, new_slots):
+    for stage, stage_state, entry, slots, found in zip(part.stages, stage_states, entries, new_slots, scalars):
         trees = [entry.spec.unflatten(leaves) for leaves in slots]
-        state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees))
+        state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees, found))
     return state
 
 
@@ -593,8 +601,7 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
             continue
         scalars = [  # as the step computes them, here from the given grads
             stage.decl.scalars(
-                state_at(state, stage.path).count if stage.decl.counted else None,
-                [g for g, keep in zip(grad_leaves, leaves[stage.path].selected) if keep],
+                state_at(state, stage.path), [g for g, keep in zip(grad_leaves, leaves[stage.path].selected) if keep]
             )
             for stage in part.stages
         ]

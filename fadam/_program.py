@@ -4,7 +4,8 @@ A transform whose math is per element declares it as an ``Elementwise``:
 
 - its state: a ``NamedTuple`` type holding an optional step count and one tree per ``Slot`` (a moment, a trace);
 - a *prologue*, ``prologue(count) -> {name: scalar}``, run once per step on the steps taken so far: bias
-  corrections, scheduled rates, every number the body needs that does not depend on the element;
+  corrections, scheduled rates, every number the body needs that does not depend on the element; a transform with
+  0-d state besides the count (``Carried``: NAdam's running product) gets its values too, and returns the next ones;
 - optionally a *reduction*, ``reduce(updates) -> {name: scalar}``, over all of its incoming updates at once (a
   global norm), or a *leaf reduction*, ``reduce_leaf(u, p) -> {name: scalar}``, over one leaf's update and param (a
   trust ratio), whose scalars feed the body like the prologue's;
@@ -51,6 +52,14 @@ class Slot(NamedTuple):
     nonnegative: bool = False
 
 
+class Carried(NamedTuple):
+    """A 0-d state tensor besides the count that the prologue advances once a step (NAdam's running product): the
+    prologue takes its value after the count and returns the next one among its scalars, under its name."""
+
+    name: str
+    init: Callable[[], torch.Tensor]
+
+
 class Elementwise(NamedTuple):
     """The per-element math of one transform (see the module's docstring)."""
 
@@ -58,19 +67,24 @@ class Elementwise(NamedTuple):
     state_type: type
     slots: tuple[Slot, ...]
     counted: bool  # the state's first field is a step count
-    prologue: Callable[[torch.Tensor | None], Scalars]
+    prologue: Callable[..., Scalars]  # (count, *carried) -> scalars
     body: Callable[..., tuple]
     uses_params: bool = False
     reduce: Callable[[list[torch.Tensor | None]], Scalars] | None = None
     reduce_leaf: Callable[[torch.Tensor, torch.Tensor | None], Scalars] | None = None
+    carried: tuple[Carried, ...] = ()  # state fields after the count, before the slots
 
     @property
     def reduces(self) -> bool:
         """Whether the body needs its input updates whole before it runs (a reduction over them)."""
         return self.reduce is not None or self.reduce_leaf is not None
 
+    @property
+    def stateless(self) -> bool:
+        return not self.counted and not self.slots and not self.carried
+
     def init(self, params: PyTree) -> Any:
-        if not self.counted and not self.slots:
+        if self.stateless:
             return self.state_type()
         if self.slots:
             check_params(params)
@@ -85,20 +99,23 @@ class Elementwise(NamedTuple):
             )
             for slot in self.slots
         ]
-        return self.state_type(*([zero_count()] if self.counted else []), *trees)
+        carried = [c.init() for c in self.carried]
+        return self.state_type(*([zero_count()] if self.counted else []), *carried, *trees)
 
-    def scalars(self, count: torch.Tensor | None, updates: list[torch.Tensor | None]) -> Scalars:
-        """The per-step scalars: the prologue's, then the reduction's over ``updates``."""
-        scalars = self.prologue(count)
+    def scalars(self, state: Any, updates: list[torch.Tensor | None]) -> Scalars:
+        """The per-step scalars for ``state``: the prologue's, then the reduction's over ``updates``."""
+        count = state.count if self.counted else None
+        scalars = self.prologue(count, *(getattr(state, c.name) for c in self.carried))
         if self.reduce is not None:
             scalars = {**scalars, **self.reduce(updates)}
         return scalars
 
-    def advance(self, state: Any, slot_trees: Sequence[PyTree]) -> Any:
-        """The state after one step, holding ``slot_trees``."""
-        if not self.counted and not self.slots:
+    def advance(self, state: Any, slot_trees: Sequence[PyTree], scalars: Scalars) -> Any:
+        """The state after the step whose ``scalars`` were computed, holding ``slot_trees``."""
+        if self.stateless:
             return state
-        return self.state_type(*([safe_increment(state.count)] if self.counted else []), *slot_trees)
+        carried = [scalars[c.name] for c in self.carried]
+        return self.state_type(*([safe_increment(state.count)] if self.counted else []), *carried, *slot_trees)
 
 
 def elementwise(decl: Elementwise) -> GradientTransformation:
@@ -108,7 +125,7 @@ def elementwise(decl: Elementwise) -> GradientTransformation:
     program = Program((Stage(decl, ()),))
 
     def update(updates: PyTree, state: Any, params: PyTree | None = None, **_: Any) -> tuple[PyTree, Any]:
-        if decl.counted or decl.slots:  # a stateless transform takes whatever state it is given back
+        if not decl.stateless:  # a stateless transform takes whatever state it is given back
             check_state(state, decl.state_type, decl.name)
         if decl.uses_params and params is None:
             raise ValueError(f"{decl.name} needs params: call update(updates, state, params)")
@@ -126,9 +143,9 @@ def elementwise(decl: Elementwise) -> GradientTransformation:
             grads, _, spec = check_leaves(updates, updates if params is None else params)
             slot_lists = []
         param_leaves = spec.flatten_up_to(params) if decl.uses_params else [None] * len(grads)
-        scalars = decl.scalars(state.count if decl.counted else None, grads)
+        scalars = decl.scalars(state, grads)
         new_updates, new_slots = eager_stage(decl, scalars, grads, param_leaves, slot_lists)
-        return spec.unflatten(new_updates), decl.advance(state, [spec.unflatten(s) for s in new_slots])
+        return spec.unflatten(new_updates), decl.advance(state, [spec.unflatten(s) for s in new_slots], scalars)
 
     return GradientTransformation(decl.init, ProgramUpdate(update, program))
 
@@ -587,7 +604,7 @@ def _cast(graph: Graph, x: Any, like: Node) -> Any:
 def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:
     """The names of ``decl``'s scalars, per step and per leaf, found by running its prologue on a first step (the
     names never depend on the count), its reduction on no leaves and its leaf reduction on a one-element leaf."""
-    names = list(decl.prologue(zero_count() if decl.counted else None))
+    names = list(decl.prologue(zero_count() if decl.counted else None, *(c.init() for c in decl.carried)))
     if decl.reduce is not None:
         names += list(decl.reduce([]))
     leaf_names = [] if decl.reduce_leaf is None else list(decl.reduce_leaf(torch.ones(1), torch.ones(1)))

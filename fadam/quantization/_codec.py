@@ -121,11 +121,6 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes
 
 
-def decode_values(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of ``encode_rows`` with the 512 values of the map (``_maps.map_values``) given."""
-    return values[_indices(codes, absmax, bits)] * absmax.abs().unsqueeze(-1)
-
-
 def decode_rows(
     codes: torch.Tensor, absmax: torch.Tensor, bits: int, map_id: int | torch.Tensor, tables: Tables | None = None
 ) -> torch.Tensor:

@@ -194,12 +194,6 @@ def decode(codes: torch.Tensor, map_id: int | torch.Tensor, tables: Tables | Non
     return maps.view(-1)[map_id.to(torch.int32) * maps.shape[-1] + codes]
 
 
-def map_values(map_id: torch.Tensor, tables: Tables | None = None) -> torch.Tensor:
-    """The 512 values (``code_maps``' row) of the map a 0-d ``map_id`` names, gathered on its device (no host sync)."""
-    maps = (tables_on(map_id.device) if tables is None else tables)[0]
-    return maps.index_select(0, map_id.reshape(1).to(torch.int64))[0]
-
-
 class _Grid(NamedTuple):
     """A map's positive half as linear segments: ``position = |y| * M + K`` in units of codes above the sign."""
 

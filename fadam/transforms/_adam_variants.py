@@ -11,16 +11,10 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, for_leaf, host_number, safe_increment, zero_count
-from fadam._program import Elementwise, Slot, elementwise
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._leafwise import map_moments
-from fadam.transforms._validation import check_non_negative, check_state, check_unit_interval
-
-
-def _zeros(params: PyTree) -> PyTree:
-    check_params(params)
-    return tree_map(lambda p: None if p is None else torch.zeros_like(p), params)
+from fadam._numerics import bias_correction, host_number, safe_increment
+from fadam._program import Carried, Elementwise, Slot, elementwise
+from fadam._tree import PyTree
+from fadam.transforms._validation import check_non_negative, check_unit_interval
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -70,40 +64,36 @@ def scale_by_nadam(
     check_non_negative("eps", eps)
     check_non_negative("momentum_decay", momentum_decay)
 
-    def init(params: PyTree) -> ScaleByNadamState:
-        return ScaleByNadamState(zero_count(), torch.ones([], dtype=_scalar_dtype()), _zeros(params), _zeros(params))
-
-    def update(
-        updates: PyTree, state: ScaleByNadamState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, ScaleByNadamState]:
-        check_state(state, ScaleByNadamState, "scale_by_nadam")
-        grads, mus, spec = check_leaves(updates, state.mu, like_what="the NAdam state (params)")
-        nus = spec.flatten_up_to(state.nu)
-        count = safe_increment(state.count)
+    def prologue(count: torch.Tensor, mu_product: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        count = safe_increment(count)
         step = count.to(torch.float64)
         mu_t = b1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
         mu_next = b1 * (1.0 - 0.5 * torch.pow(0.96, (step + 1) * momentum_decay))
         # torch's in-place ``mu_product *= mu`` rounds mu to the state's dtype first, then multiplies in that dtype
-        mu_product = state.mu_product * mu_t.to(state.mu_product.dtype)
+        mu_product = mu_product * mu_t.to(mu_product.dtype)
         product = mu_product.to(torch.float64)
-        grad_coef = (1.0 - mu_t) / (1.0 - product)
-        momentum_coef = mu_next / (1.0 - product * mu_next)
-        bc2 = bias_correction(b2, count)
+        return {
+            "one_minus_b1": 1 - b1,
+            "b2": b2,
+            "one_minus_b2": 1 - b2,
+            "eps": eps,
+            "bc2": bias_correction(b2, count),
+            "grad_coef": (1.0 - mu_t) / (1.0 - product),
+            "momentum_coef": mu_next / (1.0 - product * mu_next),
+            "mu_product": mu_product,  # the next state's
+        }
 
-        def leaf(g: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            g = g.to(mu.dtype)
-            mu_new = mu.lerp(g, 1 - b1)
-            nu_new = torch.addcmul(nu * b2, g, g, value=1 - b2)
-            g_coef, m_coef, bc2_g = (for_leaf(x, g) for x in (grad_coef, momentum_coef, bc2))
-            denom = (nu_new / bc2_g).sqrt() + eps  # torch.optim.NAdam divides before the square root
-            return g / denom * g_coef + mu_new / denom * m_coef, mu_new, nu_new
+    def body(o: Any, s: Any, g: Any, p: Any, mu: Any, nu: Any) -> tuple:
+        g = o.cast(g, mu)
+        mu = o.lerp(mu, g, s.one_minus_b1)
+        nu = o.addcmul(nu * s.b2, g, g, s.one_minus_b2)
+        denom = o.sqrt(nu / s.bc2) + s.eps  # torch.optim.NAdam divides before the square root
+        return g / denom * s.grad_coef + mu / denom * s.momentum_coef, mu, nu
 
-        new_updates, (new_mus, new_nus) = map_moments(leaf, grads, mus, nus)
-        return spec.unflatten(new_updates), ScaleByNadamState(
-            count, mu_product, spec.unflatten(new_mus), spec.unflatten(new_nus)
-        )
-
-    return GradientTransformation(init, update)
+    product = Carried("mu_product", lambda: torch.ones([], dtype=_scalar_dtype()))
+    slots = (Slot("mu"), Slot("nu", nonnegative=True))
+    decl = Elementwise("scale_by_nadam", ScaleByNadamState, slots, True, prologue, body, carried=(product,))
+    return elementwise(decl)
 
 
 class ScaleByRadamState(NamedTuple):
