@@ -585,8 +585,12 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     grads = grads if grads is not None else optree.tree_map(torch.zeros_like, params)
     state = state if state is not None else tx.init(params)
     lines = []
-    if getattr(tx.update, "fused_step", None) is not None:
-        lines.append("torch's fused kernel where the step's tensors allow it (tried first)")
+    fused_step = getattr(tx.update, "fused_step", None)
+    if fused_step is not None and _backend.get() == "auto":
+        # the alias's torch kernel serves a whole step or none of it: tried on copies, as fadam.step tries it first
+        if fused_step(params, grads, state, False) is not None:
+            return f"torch's fused kernel: all {len(tree_paths(params))} leaves"
+        lines.append("torch's fused kernel: declined for these tensors or hyperparameters; the program runs:")
     program, state = program_of(tx).expanded(state)
     paths = tree_paths(params)
     grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")

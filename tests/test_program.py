@@ -496,3 +496,14 @@ def test_bfloat16_steps_equal_the_eager_path_bit_for_bit(name, kernel_runs):
         kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=step == 1)
         assert _mismatches(kernel, eager, equal_nan=True) == [], f"step {step}"
     assert sum(kernel_runs) == 3 * kernel_leaves
+
+
+def test_explain_says_whether_torch_fused_kernel_takes_an_alias_step():
+    params = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    assert explain(fadam.adamw(1e-3), params) == "torch's fused kernel: all 2 leaves"
+    with fadam.backend("kernel"):  # never torch's kernels: the program's lines
+        assert explain(fadam.adamw(1e-3), params).splitlines()[0].endswith(f"{KERNEL}: ['b'], ['w']")
+    params["b"] = torch.zeros(4, 2).t()  # torch's kernel walks flat arrays: the step falls to the program
+    lines = explain(fadam.adamw(1e-3), params).splitlines()
+    assert lines[0].startswith("torch's fused kernel: declined")
+    assert lines[1].endswith("eager: not contiguous: ['b']") and lines[2].endswith(f"{KERNEL}: ['w']")
