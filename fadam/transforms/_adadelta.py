@@ -40,8 +40,8 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
     Example:
         >>> import torch, fadam
         >>> tx = fadam.scale_by_adadelta(rho=0.0, eps=1.0)
-        >>> tx.update([torch.tensor([0.0])], tx.init([torch.zeros(1)]))[0]
-        [tensor([0.])]
+        >>> tx.update([torch.tensor([3.0])], tx.init([torch.zeros(1)]))[0]
+        [tensor([0.9487])]
 
     References:
         Zeiler, "ADADELTA: An Adaptive Learning Rate Method", 2012.
