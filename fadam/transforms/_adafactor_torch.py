@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation, ScalarOrSchedule
-from fadam._numerics import host_number, safe_increment, zero_count
+from fadam._numerics import for_leaf, host_number, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._validation import check_state
 
@@ -151,9 +151,9 @@ def scale_by_adafactor_torch(
                 new = (None, row, col, var)
             else:
                 eps1 = torch.finfo(p.dtype).eps if eps[0] is None else eps[0]
-                estimate, row, col, var = _second_moment(g, row, col, var, weight, eps1)
+                estimate, row, col, var = _second_moment(g, row, col, var, for_leaf(weight, g), eps1)
                 scaled = estimate.clamp(min=eps1 * eps1).rsqrt() * g
-                alpha = torch.clamp(_rms(p), min=eps[1]) * rho
+                alpha = torch.clamp(_rms(p), min=eps[1]) * for_leaf(rho, g)
                 denom = torch.clamp(_rms(scaled, d), min=1.0)
                 new = (scaled * host_number(-alpha / denom), row, col, var)
             for out, value in zip(outputs, new):
