@@ -554,45 +554,59 @@ def _float_array(name: str, values: list[float]) -> str:
 
 
 def _codec_source(formats: Iterable[Quantized]) -> str:
-    """The decoding tables of every map and an encoder per map that the kernel writes with (``_maps.encode``'s
-    arithmetic first guess on the map's grid, then one midpoint comparison)."""
-    from fadam.quantization._maps import _GRIDS, code_maps, encode_tables, tables_on
+    """The decoding tables of every map and an encoder per map that the kernel writes with (``_encoder_table``)."""
+    from fadam.quantization._maps import MAP_IDS, code_maps
 
     formats = list(formats)
     if not formats:
         return ""
-    tables_on("cpu")  # builds the grids
     parts = ["#include <cfloat>", _float_array("fadam_maps", code_maps().reshape(-1).tolist())]
-    thresholds = encode_tables()[1]
     for map_id in sorted({f.map_id for f in formats}):
-        grid = _GRIDS[map_id]
-        parts.append(_float_array(f"fadam_mid{map_id}", thresholds[map_id].tolist()))
-        _, m0, k0 = grid.segments[0]
-        top = _f(grid.top)
-        select = "".join(
-            f"\n  m = a >= {_f(lo)} ? {_f(m)} : m; k = a >= {_f(lo)} ? {_f(k)} : k;" for lo, m, k in grid.segments[1:]
-        )
-        if grid.signed:
-            code = f"y < 0.0f ? {grid.zero} - guess - (a >= mid) : {grid.zero} + guess + (a > mid)"
-        else:
-            code = "y < 0.0f ? 0 : guess + (a > mid)"
+        base, entries, zero, signed = _encoder_table(map_id)
+        items = ", ".join(str(e) for e in entries)
+        parts.append(f"static const int32_t fadam_codes{map_id}[{len(entries)}] = {{{items}}};")
+        negative = f"{zero} - below - (low >= mid)" if signed else "0"
         parts.append(
-            f"""static inline int fadam_encode{map_id}(float y) {{
-  const float a = std::fabs(y);
-  float m = {_f(m0)}, k = {_f(k0)};{select}
-  const float position = a * m + k;
-  const int guess = static_cast<int>(position < 0.0f ? 0.0f : ({top} < position ? {top} : position));
-  const float mid = fadam_mid{map_id}[{grid.zero} + guess];
-  return {code};
+            f"""static inline int fadam_encode{map_id}(float y) {{  // y in [-1, 1], not NaN ({list(MAP_IDS)[map_id]})
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+  int32_t index = static_cast<int32_t>(magnitude >> 16) - {base};
+  index = index < 0 ? 0 : index;
+  const int32_t entry = fadam_codes{map_id}[index];
+  const int32_t below = entry & 255, mid = entry >> 8, low = static_cast<int32_t>(magnitude & 0xFFFFu);
+  return (bits >> 31) ? {negative} : {zero} + below + (low > mid);
 }}"""
         )
     return "\n".join(parts)
 
 
-def _f(value: float) -> str:
-    """A float32 literal of ``value`` rounded to float32, as torch rounds a Python number combined with a float32
-    tensor."""
-    return _literal(float(torch.tensor(value, dtype=torch.float32)), "float")
+@functools.cache
+def _encoder_table(map_id: int) -> tuple[int, list[int], int, bool]:
+    """``(base, entries, zero, signed)`` of the kernel's encoder for ``map_id``: for each bfloat16 pattern ``P`` of a
+    magnitude (the top 16 bits of its float32) from ``base`` on, ``entry = mid << 8 | below``, where ``below`` counts
+    the map's positive midpoints under the pattern's smallest float and ``mid`` holds the low 16 bits of the one
+    midpoint inside the pattern (``0x10000``: none; ``encode_tables`` checks that no pattern holds two). Then
+    ``below + (low > mid)`` counts the midpoints below a magnitude and ``below + (low >= mid)`` those at or below it:
+    a non-negative y's code is ``zero`` plus the first, a negative one's ``zero`` minus the second (the codec's
+    nearest code, ties to the lower one). Patterns under ``base`` hold no midpoint and read entry 0."""
+    from fadam.quantization._maps import _GRIDS, encode_tables, tables_on
+
+    tables_on("cpu")  # builds the grids
+    grid = _GRIDS[map_id]
+    mids = encode_tables()[1][map_id, grid.zero : grid.zero + grid.top].view(torch.int32).tolist()
+    base = (mids[0] >> 16) - 1
+    top = 0x3F80  # the pattern of 1.0, the largest magnitude encoded
+    entries = []
+    below = 0
+    for pattern in range(base, top + 1):
+        while below < len(mids) and mids[below] < pattern << 16:
+            below += 1
+        inside = below < len(mids) and mids[below] >> 16 == pattern
+        if inside and below + 1 < len(mids) and mids[below + 1] >> 16 == pattern:
+            raise AssertionError("two midpoints in one bfloat16 pattern: the kernel's encoder is invalid")
+        entries.append(((mids[below] & 0xFFFF) if inside else 0x10000) << 8 | below)
+    return base, entries, grid.zero, grid.signed
 
 
 def _reachable(outputs: tuple[Node, ...]) -> set[int]:

@@ -17,12 +17,13 @@ Encoding rounds to the nearest code. ``encode_tables`` precomputes, for every bf
 of a float32), the nearest code of the smallest float32 with those top bits; since no map has two midpoints inside
 one such interval (checked when the tables are built), ``code = table[top16(y)] + (y > midpoint[table[...]])`` is
 the exact nearest code with two table reads and no search; the eager codec encodes so. The generated CPU kernel
-(``fadam._cpu_kernel``) knows each slot's map statically and encodes as ``encode`` with an int ``map_id`` does: the
-magnitude's position on the map's grid is computed arithmetically (each decade is a linear grid, so it is
-``|y| * M + K`` with the decade's constants chosen by comparisons); its floor is the true code or one below it, and one
-read of the midpoint table settles which. It gives the same codes as the table encoder (the constants are checked when
-built; benchmarks/check_encoder_exhaustive.py compares the two on every float32 in [-1, 1] for every map), with one
-table read instead of two.
+(``fadam._cpu_kernel._encoder_table``) folds both reads into one, per bfloat16 pattern of the magnitude: the count of
+midpoints below the pattern and the low bits of the one inside it. ``encode`` with an int ``map_id`` computes the
+magnitude's position on the map's grid arithmetically instead (each decade is a linear grid, so it is ``|y| * M + K``
+with the decade's constants chosen by comparisons); its floor is the true code or one below it, and one read of the
+midpoint table settles which. All give the same codes (the constants are checked when built;
+benchmarks/check_encoder_exhaustive.py compares the table and arithmetic encoders on every float32 in [-1, 1] for
+every map, and the tests the kernel's codes with the codec's).
 
 Each map also has a second set of 256 values, for a block that holds an infinity (``fadam.quantization._codec``): there
 the codes of ``+-1`` stand for ``+-inf``, and the block's finite entries are encoded for ``x * (1 / absmax) * top``,
