@@ -20,6 +20,7 @@ from fadam._base import (
 )
 from fadam._checkpoint import state_from_dict, state_to_dict
 from fadam._execute import backend, explain
+from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop
 from fadam._tree import (
     tree_add,
     tree_cast,
@@ -95,6 +96,8 @@ from fadam.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from fadam.transforms._adadelta import ScaleByAdadeltaState, scale_by_adadelta
+from fadam.transforms._adafactor_torch import ScaleByAdafactorTorchState, scale_by_adafactor_torch
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
 from fadam.transforms._adam_variants import (
     ScaleByAdamaxState,
@@ -106,6 +109,7 @@ from fadam.transforms._adam_variants import (
 )
 from fadam.transforms._ademamix import ScaleByAdemamixState, scale_by_ademamix
 from fadam.transforms._adopt import ScaleByAdoptState, scale_by_adopt
+from fadam.transforms._asgd import ScaleByAsgdState, scale_by_asgd
 from fadam.transforms._belief import ScaleByBeliefState, scale_by_belief
 from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
 from fadam.transforms._cautious import cautious
@@ -122,6 +126,7 @@ from fadam.transforms._rms import (
     scale_by_rss,
     scale_by_stddev,
 )
+from fadam.transforms._rprop import ScaleByRpropState, scale_by_rprop
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
 from fadam.transforms._sign import scale_by_sign
 from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
@@ -144,11 +149,14 @@ torch.serialization.add_safe_globals(
         PartitionState,
         QuantizedArray,
         QuantizedState,
+        ScaleByAdadeltaState,
+        ScaleByAdafactorTorchState,
         ScaleByAdamState,
         ScaleByAdamaxState,
         ScaleByAdemamixState,
         ScaleByAdoptState,
         ScaleByAmsgradState,
+        ScaleByAsgdState,
         ScaleByBeliefState,
         ScaleByLionState,
         ScaleByNadamState,
@@ -156,6 +164,7 @@ torch.serialization.add_safe_globals(
         ScaleByRadamState,
         ScaleByRmsState,
         ScaleByRssState,
+        ScaleByRpropState,
         ScaleByScheduleState,
         ScaleByYogiState,
         TraceState,
@@ -189,11 +198,14 @@ __all__ = [
     "QuantizedArray",
     "QuantizedState",
     "ScalarOrSchedule",
+    "ScaleByAdadeltaState",
+    "ScaleByAdafactorTorchState",
     "ScaleByAdamState",
     "ScaleByAdamaxState",
     "ScaleByAdemamixState",
     "ScaleByAdoptState",
     "ScaleByAmsgradState",
+    "ScaleByAsgdState",
     "ScaleByBeliefState",
     "ScaleByLionState",
     "ScaleByNadamState",
@@ -201,6 +213,7 @@ __all__ = [
     "ScaleByRadamState",
     "ScaleByRmsState",
     "ScaleByRssState",
+    "ScaleByRpropState",
     "ScaleByScheduleState",
     "ScaleByYogiState",
     "Schedule",
@@ -208,7 +221,9 @@ __all__ = [
     "TraceState",
     "ZeroNansState",
     "adabelief",
+    "adadelta",
     "adafactor",
+    "adafactor_torch",
     "adagrad",
     "adam",
     "adam4bit",
@@ -222,6 +237,7 @@ __all__ = [
     "ademamix",
     "ademamix8bit",
     "adopt",
+    "asgd",
     "apply_if_finite",
     "apply_updates",
     "cautious",
@@ -262,11 +278,15 @@ __all__ = [
     "quantize_state",
     "radam",
     "rmsprop",
+    "rprop",
     "scale",
+    "scale_by_adadelta",
+    "scale_by_adafactor_torch",
     "scale_by_adam",
     "scale_by_adamax",
     "scale_by_ademamix",
     "scale_by_adopt",
+    "scale_by_asgd",
     "scale_by_belief",
     "scale_by_factored_rms",
     "scale_by_learning_rate",
@@ -276,6 +296,7 @@ __all__ = [
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_rss",
+    "scale_by_rprop",
     "scale_by_schedule",
     "scale_by_sign",
     "scale_by_stddev",

@@ -160,8 +160,20 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     "scale_by_belief": [fadam.scale_by_belief],
     "scale_by_yogi": [fadam.scale_by_yogi, lambda: fadam.scale_by_yogi(eps_root=1e-8)],
     "yogi": [lambda: fadam.yogi(1e-2)],
+    "adadelta": [lambda: fadam.adadelta(), lambda: fadam.adadelta(_half_lr, rho=0.5, weight_decay=0.1, maximize=True)],
+    "asgd": [lambda: fadam.asgd(1e-2), lambda: fadam.asgd(_half_lr, t0=1.0, weight_decay=0.1, maximize=True)],
+    "rprop": [lambda: fadam.rprop(1e-2), lambda: fadam.rprop(_half_lr, etas=(0.3, 1.5), maximize=True)],
+    "adafactor_torch": [
+        lambda: fadam.adafactor_torch(1e-2),
+        lambda: fadam.adafactor_torch(_half_lr, eps=(1e-20, 1e-2), weight_decay=0.1, maximize=True),
+    ],
+    "scale_by_adadelta": [fadam.scale_by_adadelta],
+    "scale_by_asgd": [fadam.scale_by_asgd, lambda: fadam.scale_by_asgd(torch.tensor(0.1), t0=0.0)],
+    "scale_by_rprop": [fadam.scale_by_rprop],
+    "scale_by_adafactor_torch": [fadam.scale_by_adafactor_torch],
 }
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
+REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
 HANDLE_STATE = {"page_state", "paged_adam", "paged_adam8bit", "paged_adamw", "paged_adamw8bit"}
 
