@@ -358,3 +358,21 @@ def test_dtensor_state_is_stored_as_local_shards_and_streams_in_as_dtensors(tmp_
                 ), k
     finally:
         dist.destroy_process_group()
+
+
+def test_states_of_separate_inits_of_one_transform_step_independently():
+    # each state's layout is worked out once and reused by its later steps; states of other inits must not mix
+    tx, reference = fadam.paged_adamw(lr=1e-2, chunk_bytes=4096), fadam.adamw(lr=1e-2)
+    shapes = {"small": [(300,), (40,)], "large": [(1000,), (7, 3), (500,)]}
+    runs = {}
+    for name, dims in shapes.items():
+        params = [torch.randn(d, generator=torch.Generator().manual_seed(len(d))) for d in dims]
+        runs[name] = [params, tx.init(params), [p.clone() for p in params], reference.init(params)]
+    for step in range(3):
+        for params, state, ref_params, ref_state in runs.values():
+            grads = [torch.full_like(p, 0.1 * (step + 1)) - p for p in params]
+            run = runs["small" if len(params) == 2 else "large"]
+            run[0], run[1] = fadam.step(tx, params, grads, state, donate=True)
+            run[2], run[3] = fadam.step(reference, ref_params, grads, ref_state, donate=True)
+    for params, _, ref_params, _ in runs.values():
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params))

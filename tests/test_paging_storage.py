@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,47 @@ def test_an_init_removes_the_temporary_files_of_killed_inits_not_of_live_ones(tm
         for child in (killed, live):
             child.kill()
             child.wait()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_chunk_checksummed_on_several_threads_is_the_crc_of_its_leaves(threads):
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, generator=gen)
+    # three leaves with padding between them, which is not part of the checksum
+    places = [
+        _storage.LeafPlace(0, 0, 10 << 20, (10 << 18,), torch.float32),
+        _storage.LeafPlace(1, (10 << 20) + 64, 12 << 20, (12 << 20,), torch.uint8),
+        _storage.LeafPlace(2, (23 << 20), 5, (5,), torch.uint8),
+    ]
+    raw = data.numpy().tobytes()
+    expected = 0
+    for place in places:
+        expected = zlib.crc32(raw[place.offset : place.offset + place.nbytes], expected)
+    ranges = [(p.offset, p.offset + p.nbytes) for p in places]
+    runs = _storage._runs(ranges, threads)
+    assert len(runs) == min(threads, 2)  # 22 MiB of leaves: at least 8 MiB a run
+    merged: list[tuple[int, int]] = []
+    for start, end in (piece for run in runs for piece in run):
+        merged[-1:] = [(merged[-1][0], end)] if merged and merged[-1][1] == start else [*merged[-1:], (start, end)]
+    assert merged == ranges  # the runs cut the leaves' bytes in order, nothing lost or repeated
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert _storage.buffer_crc(data, places) == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_fused_disk_step_writes_the_other_slot_only(tmp_path):
+    # the step computes in a writable map of the slot it writes: the state it read stays intact, so it can be
+    # stepped again (and a crash mid-step would leave it)
+    tx = fadam.paged_adam(lr=1e-2, storage="disk", path=tmp_path / "s", chunk_bytes=8192)
+    reference = fadam.adam(lr=1e-2)
+    first = tx.init(_params())
+    params, second = fadam.step(tx, _params(), _grads(0), first, donate=True)
+    ref_params, _ = fadam.step(reference, _params(), _grads(0), reference.init(_params()))
+    again, _ = fadam.step(tx, _params(), _grads(0), first, donate=True)
+    assert all(torch.equal(a, b) and torch.equal(b, c) for a, b, c in zip(again, ref_params, params))
+    # the latest state is the one the retry wrote over the spare slot; the first step's result is gone
+    with pytest.raises(_storage.PagedStateFileError, match="stale"):
+        fadam.step(tx, params, _grads(1), second)

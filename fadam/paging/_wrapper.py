@@ -13,7 +13,7 @@ import torch
 from torch._C import _functorch
 
 from fadam._base import FusibleUpdate, GradientTransformation, add_update
-from fadam._dispatch import can_fuse, can_write_in_place, is_dtensor, is_plain
+from fadam._dispatch import can_fuse, can_write_in_place, is_dtensor
 from fadam._execute import fast_step
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._storage import (
@@ -21,6 +21,7 @@ from fadam.paging._storage import (
     LeafPlace,
     PagedStateFileError,
     StateFile,
+    buffer_crc,
     host_buffers,
     leaf_places,
     release_freed_memory,
@@ -48,12 +49,24 @@ class PagedState(NamedTuple):
     slot_serials: torch.Tensor
 
 
+class _Split(NamedTuple):
+    """How one dtype's leaves of a chunk are cut out of its bytes with a single ``split_with_sizes``: the buffer,
+    viewed as ``dtype``, splits into ``sizes`` (gaps and leaves alternating); ``pieces`` names the leaves' parts as
+    (part, leaf index, shape)."""
+
+    dtype: torch.dtype
+    sizes: list[int]
+    pieces: list[tuple[int, int, tuple[int, ...]]]
+
+
 class _Chunk(NamedTuple):
     spec: Any
     meta_leaves: list[Any]
     places: list[LeafPlace]
     size: int
-    on_device: list[bool]  # per place
+    on_device: dict[int, bool]  # per tensor leaf, by its index: whether it lives on the params' device
+    splits: list[_Split]
+    dtensors: bool  # whether any leaf is a DTensor
 
 
 def _local(x: Any) -> Any:
@@ -82,7 +95,61 @@ def _placed_like(local: torch.Tensor, like: Any) -> Any:
 def _chunk(layout: PyTree, placement: torch.Tensor) -> _Chunk:
     meta_leaves, spec = tree_flatten(layout)
     places, size = leaf_places([_local(x) for x in meta_leaves])
-    return _Chunk(spec, meta_leaves, places, size, [bool(x) for x in placement.tolist()])
+    dtensors = any(is_dtensor(x) for x in meta_leaves)
+    on_device = {place.index: bool(flag) for place, flag in zip(places, placement.tolist())}
+    return _Chunk(spec, meta_leaves, places, size, on_device, _splits(places, size), dtensors)
+
+
+def _splits(places: list[LeafPlace], size: int) -> list[_Split]:
+    """Per dtype, the cuts that give all of a chunk's leaves of that dtype in one call (leaf offsets are 64-byte
+    aligned and the chunk's size a page multiple, so every gap is whole elements)."""
+    by_dtype: dict[torch.dtype, list[LeafPlace]] = {}
+    for place in places:
+        by_dtype.setdefault(place.dtype, []).append(place)
+    found = []
+    for dtype, members in by_dtype.items():
+        width, sizes, pieces, end = dtype.itemsize, [], [], 0
+        for place in members:  # in order of offset
+            sizes.append((place.offset - end) // width)
+            pieces.append((len(sizes), place.index, place.shape))
+            sizes.append(place.nbytes // width)
+            end = place.offset + place.nbytes
+        sizes.append((size - end) // width)
+        found.append(_Split(dtype, sizes, pieces))
+    return found
+
+
+def _views(buffer: torch.Tensor, chunk: _Chunk) -> list[tuple[int, torch.Tensor]]:
+    """(leaf index, zero-copy view of ``buffer``) for each tensor leaf of the chunk: a split per dtype, not a slice
+    per leaf (per-leaf Python is most of a step over many small leaves)."""
+    found = []
+    for split in chunk.splits:
+        parts = buffer.view(split.dtype).split_with_sizes(split.sizes)
+        for part, index, shape in split.pieces:
+            view = parts[part]
+            found.append((index, view if len(shape) == 1 else view.view(shape)))
+    return found
+
+
+class _Layouts:
+    """What a state's layout gives each step (its chunks' leaf places and splits, the param groups), computed once
+    per layout: the states of successive steps share their layout's objects."""
+
+    SIZE = 4  # layouts kept: a few live states of one transform (e.g. of separate inits)
+
+    def __init__(self) -> None:
+        self.found: dict[int, tuple[tuple, list[_Chunk], list[list[int]]]] = {}
+
+    def of(self, state: PagedState) -> tuple[list[_Chunk], list[list[int]]]:
+        key = (state.layout, state.placement, state.chunks)
+        entry = self.found.get(id(state.layout))
+        if entry is None or any(a is not b for a, b in zip(entry[0], key)):
+            chunks = [_chunk(layout, placement) for layout, placement in zip(state.layout, state.placement)]
+            entry = (key, chunks, [group.tolist() for group in state.chunks])
+            if len(self.found) >= self.SIZE:
+                del self.found[next(iter(self.found))]
+            self.found[id(state.layout)] = entry  # holds ``key``: its ids are not reused while it is here
+        return entry[1], entry[2]
 
 
 def _describe(layout: PyTree, group: list[int]) -> dict:
@@ -156,16 +223,20 @@ def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, stre
     """One chunk's inner state on ``device``: CPU leaves are views of ``buffer``; device leaves are copies, made on
     the copy stream when ``streams`` is given (``_pipeline`` makes the compute stream wait for them)."""
     leaves = list(chunk.meta_leaves)
-    for place, on_device in zip(chunk.places, chunk.on_device):
-        view = view_leaf(buffer, place)
-        if on_device and device.type != "cpu":
+    views = _views(buffer, chunk)
+    if device.type == "cpu" and not chunk.dtensors:  # the common case: views only, no per-leaf work
+        for index, view in views:
+            leaves[index] = view
+        return chunk.spec.unflatten(leaves)
+    for index, view in views:
+        if chunk.on_device[index] and device.type != "cpu":
             if streams is not None:
                 with torch.cuda.stream(streams.h2d):
                     view = view.to(device, non_blocking=True)
             else:
                 view = view.to(device)
-        meta = chunk.meta_leaves[place.index]
-        leaves[place.index] = _placed_like(view, meta) if is_dtensor(meta) else view
+        meta = chunk.meta_leaves[index]
+        leaves[index] = _placed_like(view, meta) if is_dtensor(meta) else view
     return chunk.spec.unflatten(leaves)
 
 
@@ -176,7 +247,6 @@ class _StorageAccess:
     def __init__(self, state: PagedState, state_file: StateFile | None, durable: bool, in_place: bool) -> None:
         self.state, self.file, self.durable = state, state_file, durable
         self.in_place = in_place and state_file is None  # a donated host state is updated in its own buffers
-        self.staging: torch.Tensor | None = None
         if state_file is None:
             serials = state.slot_serials
             holding = (serials == state.serial).nonzero().flatten().tolist()
@@ -212,18 +282,20 @@ class _StorageAccess:
         return self.file.window(k, self.read_commit.slot)
 
     def write(self, k: int) -> torch.Tensor:
-        """Host: the spare buffer. Disk: a reused staging buffer, only used as the working copy of a fused step;
-        ``store`` writes leaves to the file with ``pwrite``."""
+        """Host: the buffer the new state goes to (the spare one, or the state's own when donated). Disk: a writable
+        map of the slot being written, where a fused step updates the chunk in place."""
         if self.file is None:
             return self.state.buffers[k][self.write_slot]
-        size = self.file.chunk_sizes[k]
-        if self.staging is None or self.staging.numel() < size:
-            self.staging = torch.empty(max(self.file.chunk_sizes), dtype=torch.uint8)
-        return self.staging[:size]
+        return self.file.window(k, self.write_commit.slot, writable=True)
 
     def store(self, k: int, place: LeafPlace, leaf: torch.Tensor) -> None:
-        """Writes one leaf of chunk ``k``; the leaves of a chunk come in order of offset, as its checksum needs."""
+        """Writes one leaf of chunk ``k`` with ``pwrite``; the leaves of a chunk come in order of offset, as its
+        checksum needs."""
         self.checksums[k] = self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
+
+    def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace]) -> None:
+        """Chunk ``k``'s new state lies in ``window`` (from ``write``): its checksum, from those bytes."""
+        self.checksums[k] = buffer_crc(window, places)
 
     def advise(self, k: int) -> None:
         if self.file is not None:
@@ -278,13 +350,16 @@ def page_state(
     from disk the kernel reads the next chunk ahead).
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
-    ``"disk"``: a file at ``path``, read through a memory map of one chunk at a time and written with ``pwrite``, so
-    the state may exceed RAM and resident memory stays at about two chunks. The file is a checkpoint:
+    ``"disk"``: a file at ``path``, mapped one chunk at a time, so the state may exceed RAM and resident memory stays
+    at about two chunks. A fused step on the CPU (``fadam.step``) copies a chunk's current copy into a writable map of
+    the other copy and updates it there, in the page cache (no buffer in between, nothing copied out); ``update``
+    and steps on an accelerator write each new leaf with ``pwrite``. The file is a checkpoint:
     ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
     optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
     killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
     is reported as incomplete. Each commit records a CRC-32 of every chunk it wrote, computed from the bytes written
-    (one more pass over the state in memory each step, not a read of the file); ``resume=True`` reads the committed
+    (one more pass over the state in memory each step, not a read of the file, on up to ``torch.get_num_threads()``
+    threads: on the CPU it costs more than the step's arithmetic); ``resume=True`` reads the committed
     state once to check it and refuses a file whose data does not match, naming the chunk. Updates do not re-check
     what they read (that would be a second pass over the state every step). A file written before the state was
     checksummed (format version 1) is refused. An ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that
@@ -338,6 +413,8 @@ def page_state(
     if path is None and resume:
         raise ValueError("resume=True needs the path of the state file")
     given_path = os.fspath(path) if path is not None else None
+
+    layouts = _Layouts()
 
     def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
         return [leaves[i] for i in group] if per_leaf else params
@@ -437,23 +514,24 @@ def page_state(
         consume: Callable[[list[int], PyTree], None],
         fused: Callable[[list[int], PyTree, _Fetched], PyTree | None] | None = None,
         in_place: bool = False,
+        checked: bool = False,
     ) -> PagedState:
         """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits.
 
         ``fused(group, grads, chunk)``, when given, may instead step the chunk's params with the inner transform's
-        fused kernel and return the chunk's new state (``None``: it cannot, take the general path).
+        fused kernel and return the chunk's new state (``None``: it cannot, take the general path). ``checked``: the
+        caller has matched the updates' tree against the params'.
         """
         if not isinstance(state, PagedState):
             raise ValueError(f"page_state expected a PagedState, got {type(state).__name__}")
         grad_leaves, _ = tree_flatten(updates)
-        groups = [group.tolist() for group in state.chunks]
+        chunks, groups = layouts.of(state)
         count = sum(len(group) for group in groups)
         if len(grad_leaves) != count:
             raise ValueError(f"updates have {len(grad_leaves)} leaves but the paged state was built for {count} params")
-        if params is not None:
+        if params is not None and not checked:
             check_leaves(updates, params)
         param_leaves = tree_flatten(params)[0] if params is not None else None
-        chunks = [_chunk(layout, placement) for layout, placement in zip(state.layout, state.placement)]
         if storage == "host" and len(state.buffers) != len(chunks):
             raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
         state_file = StateFile.open(_path_of(state)) if storage == "disk" else None
@@ -469,12 +547,12 @@ def page_state(
                 if fused is not None:
                     new_state = fused(group, grads_k, chunk)
                     if new_state is not None:
-                        chunk.store(_checked(new_state, chunks[k], k))
+                        chunk.store(_checked(new_state, chunks[k], k, chunk.given))
                         del chunk, new_state
                         continue
                 params_k = None if param_leaves is None else chunk_params(param_leaves, params, group)
                 chunk_updates, new_state = inner.update(grads_k, chunk.state, params_k, **extra_args)
-                new_leaves = _checked(new_state, chunks[k], k)
+                new_leaves = _checked(new_state, chunks[k], k, chunk.given)
                 chunk.store(new_leaves)
                 consume(group, chunk_updates)
                 del chunk, new_state, new_leaves
@@ -530,8 +608,8 @@ def page_state(
             # the inner step's fastest backend (torch._fused_adam_, a generated kernel) steps this chunk in place, on
             # state we own
             params_k = [param_leaves[i] for i in group]
-            if not (donate and all(isinstance(p, torch.Tensor) and is_plain(p) for p in params_k)):
-                params_k = [p.clone() if isinstance(p, torch.Tensor) else p for p in params_k]
+            if not donate:  # (every param is a plain tensor: ``can_fuse`` said so above)
+                params_k = [p.clone() for p in params_k]
             result = fast_step(inner, params_k, grads_k, chunk.owned(), True)
             if result is None:
                 return None
@@ -539,7 +617,7 @@ def page_state(
                 new_params[i] = p
             return result[1]
 
-        new_state = run(grads, state, params, {}, apply, fused if fast is not None else None, donate)
+        new_state = run(grads, state, params, {}, apply, fused if fast is not None else None, donate, checked=True)
         return spec.unflatten(new_params), new_state
 
     # Chunks stream between host memory or a file and the device through Python, outside any graph: inside a compiled
@@ -552,10 +630,13 @@ def page_state(
 
 class _Fetched:
     """One chunk's state on the compute device (``state``, read-only), a copy of it that may be written in place
-    (``owned()``), and how its new state goes back to storage (``store``)."""
+    (``owned()``; on the CPU its leaves, ``given``, lie in the storage), and how its new state goes back to storage
+    (``store``)."""
 
-    def __init__(self, state: PyTree, store: Callable[[list[Any]], None], owned: Callable[[], PyTree]) -> None:
-        self.state, self.store, self.owned = state, store, owned
+    def __init__(
+        self, state: PyTree, store: Callable[[list[Any]], None], owned: Callable[[], PyTree], given: list[Any]
+    ) -> None:
+        self.state, self.store, self.owned, self.given = state, store, owned, given
 
 
 def _pipeline(
@@ -567,7 +648,9 @@ def _pipeline(
     run on side streams while the current chunk computes; before the next chunk is fetched, the previous chunk's
     write-back is waited for, so the device holds at most two chunks of state: the one being updated (with its new
     copy, unless updated in place) and the next one. Elsewhere copies are synchronous, and the kernel is asked to read
-    the next chunk ahead from disk.
+    the next chunk ahead from disk. On the CPU a chunk's state is a set of views of its host buffer or file map (one
+    ``split_with_sizes`` per dtype), and a leaf the step updated in place is recognised as the view it was given, so
+    that a chunk of many small leaves costs little Python.
     """
     devices = [_compute_device(group, grad_leaves) for group in groups]
     pinned = access.file is None and any(b[0].is_pinned() for b in access.state.buffers[:1])
@@ -595,49 +678,92 @@ def _pipeline(
             for leaf in tree_flatten(state)[0]:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
                     leaf.record_stream(stream.main)
-        buffer = access.write(k)
+        # host: the buffer the chunk's new state goes to; disk: the writable map of it, made if a fused step on the
+        # CPU asks for a working copy (``owned``), else the new leaves go out with pwrite
+        buffer = access.write(k) if access.file is None else None
+        working: list[torch.Tensor] = []
+        given: list[Any] = []  # the leaves of the CPU working copy ``owned`` handed out, which lie in the storage
 
-        def store(new_leaves: list[Any], k: int = k, buffer: Any = buffer, stream: Any = stream) -> None:
-            if access.file is not None:
+        def store(
+            new_leaves: list[Any],
+            k: int = k,
+            buffer: Any = buffer,
+            stream: Any = stream,
+            working: Any = working,
+            given: Any = given,
+        ) -> None:
+            if working:  # disk, updated in its writable map: what is not there yet, then the checksum
+                _write_back(working[0], chunks[k], new_leaves, given)
+                access.stored(k, working[0], chunks[k].places)
+            elif access.file is not None:
                 for place in chunks[k].places:
                     access.store(k, place, _local(new_leaves[place.index]))
-                written.append(None)
+            elif stream is None:
+                _write_back(buffer, chunks[k], new_leaves, given)
+            else:
+                written.append(_write_back_async(buffer, chunks[k], new_leaves, stream))
                 return
-            if stream is None:
-                for place in chunks[k].places:
-                    view, leaf = view_leaf(buffer, place), _local(new_leaves[place.index])
-                    if leaf.data_ptr() != view.data_ptr():  # not already updated in place (see ``owned``)
-                        view.copy_(leaf)
-                written.append(None)
-                return
-            done = stream.main.record_event()
-            with torch.cuda.stream(stream.d2h):
-                stream.d2h.wait_event(done)
-                for place in chunks[k].places:
-                    leaf = _local(new_leaves[place.index])
-                    view_leaf(buffer, place).copy_(leaf, non_blocking=True)
-                    if leaf.device.type == "cuda":
-                        leaf.record_stream(stream.d2h)
-            written.append(stream.d2h.record_event())
+            written.append(None)
 
-        def owned(k: int = k, state: PyTree = state, buffer: Any = buffer, source: Any = source) -> PyTree:
+        def owned(
+            k: int = k,
+            state: Any = state,
+            buffer: Any = buffer,
+            source: Any = source,
+            working: Any = working,
+            given: Any = given,
+        ) -> PyTree:
             if devices[k].type == "cpu":
-                # the spare slot (disk: the staging buffer) becomes the working copy
-                if access.file is not None:
-                    access.file.read_into(k, access.read_commit.slot, buffer)
-                elif buffer.data_ptr() != source.data_ptr():
-                    buffer.copy_(source)
-                return _materialize(buffer, chunks[k], devices[k], None)
+                if access.file is not None:  # the slot being written, mapped, becomes the working copy
+                    working.append(access.write(k))
+                    working[0].copy_(source)
+                    tree = _materialize(working[0], chunks[k], devices[k], None)
+                elif buffer.data_ptr() == source.data_ptr():  # donated host state: it is its own working copy
+                    tree = state
+                else:
+                    buffer.copy_(source)  # the spare buffer becomes the working copy
+                    tree = _materialize(buffer, chunks[k], devices[k], None)
+                given[:] = tree_flatten(tree)[0]
+                return tree
             # device leaves are already private copies; host-side ones (step counts) still view the storage
             leaves, spec = tree_flatten(state)
             return spec.unflatten(
                 [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in leaves]
             )
 
-        yield _Fetched(state, store, owned)
-        del state, buffer, store, owned, source
+        yield _Fetched(state, store, owned, given)
+        del state, buffer, store, owned, source, working, given
     for stream in streams.values():
         stream.d2h.synchronize()
+
+
+def _write_back(buffer: torch.Tensor, chunk: _Chunk, new_leaves: list[Any], given: list[Any]) -> None:
+    """Copies a chunk's new state into ``buffer`` (CPU), skipping the leaves a fused step updated there in place:
+    the very views of ``buffer`` it was given (``given``, a check per leaf that costs next to nothing), or any other
+    tensor over the same bytes."""
+    before = given or chunk.meta_leaves
+    base = buffer.data_ptr()
+    for place in chunk.places:
+        leaf = new_leaves[place.index]
+        if leaf is before[place.index] or place.nbytes == 0:
+            continue
+        leaf = _local(leaf)
+        if leaf.data_ptr() != base + place.offset or not leaf.is_contiguous():
+            view_leaf(buffer, place).copy_(leaf)
+
+
+def _write_back_async(buffer: torch.Tensor, chunk: _Chunk, new_leaves: list[Any], stream: _Streams) -> Any:
+    """Copies a chunk's new state from the device into page-locked ``buffer`` on the write-back stream, once the
+    compute stream is done with it; returns the event that marks the copy's end."""
+    done = stream.main.record_event()
+    with torch.cuda.stream(stream.d2h):
+        stream.d2h.wait_event(done)
+        for place in chunk.places:
+            leaf = _local(new_leaves[place.index])
+            view_leaf(buffer, place).copy_(leaf, non_blocking=True)
+            if leaf.device.type == "cuda":
+                leaf.record_stream(stream.d2h)
+    return stream.d2h.record_event()
 
 
 def _compute_device(group: list[int], grad_leaves: list[Any]) -> torch.device:
@@ -648,28 +774,38 @@ def _compute_device(group: list[int], grad_leaves: list[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def _checked(new_state: PyTree, chunk: _Chunk, k: int) -> list[Any]:
-    """The new state's leaves, after checking that ``inner`` kept the layout the storage was built for."""
+def _checked(new_state: PyTree, chunk: _Chunk, k: int, given: list[Any]) -> list[Any]:
+    """The new state's leaves, after checking that ``inner`` kept the layout the storage was built for; a leaf of
+    ``given`` (the working copy it updated in place) has that layout by construction."""
     leaves, spec = tree_flatten(new_state)
     if spec != chunk.spec:
         raise RuntimeError(f"the inner transform changed its state structure in chunk {k}: {spec} vs {chunk.spec}")
-    for index, (leaf, meta) in enumerate(zip(leaves, chunk.meta_leaves)):
-        where = f"chunk {k} state leaf {path_str(spec.paths()[index])}"
+    for index, (leaf, meta, before) in enumerate(zip(leaves, chunk.meta_leaves, given or chunk.meta_leaves)):
+        if leaf is before:  # in place, or a non-tensor leaf kept as it was
+            continue
         if isinstance(meta, torch.Tensor):
             if not isinstance(leaf, torch.Tensor) or leaf.shape != meta.shape or leaf.dtype != meta.dtype:
                 raise RuntimeError(
                     f"the inner transform returned {type(leaf).__name__} {getattr(leaf, 'dtype', '')}"
-                    f"{tuple(getattr(leaf, 'shape', ()))} at {where}, its storage holds {meta.dtype}{tuple(meta.shape)}"
+                    f"{tuple(getattr(leaf, 'shape', ()))} at {_where(spec, k, index)}, its storage holds "
+                    f"{meta.dtype}{tuple(meta.shape)}"
                 )
-            if is_dtensor(meta) and not (is_dtensor(leaf) and _local(leaf).shape == _local(meta).shape):
+            local_shape_kept = is_dtensor(leaf) and _local(leaf).shape == _local(meta).shape
+            if chunk.dtensors and is_dtensor(meta) and not local_shape_kept:
                 layout = f"DTensor {leaf.placements}" if is_dtensor(leaf) else "plain tensor"
                 raise RuntimeError(
-                    f"the inner transform returned a {layout} at {where}, its storage holds a shard of "
-                    f"{tuple(_local(meta).shape)} of a DTensor {meta.placements}"
+                    f"the inner transform returned a {layout} at {_where(spec, k, index)}, its storage holds a shard "
+                    f"of {tuple(_local(meta).shape)} of a DTensor {meta.placements}"
                 )
         elif leaf is not meta and leaf != meta:
+            where = _where(spec, k, index)
             raise RuntimeError(f"paged state holds tensors only; the non-tensor leaf at {where} changed")
     return leaves
+
+
+def _where(spec: Any, k: int, index: int) -> str:
+    """Names a state leaf in errors only: its path costs a walk of the whole tree."""
+    return f"chunk {k} state leaf {path_str(spec.paths()[index])}"
 
 
 def _temporary_path() -> str:
