@@ -20,6 +20,7 @@ from fadam._base import (
 )
 from fadam._checkpoint import state_from_dict, state_to_dict
 from fadam._execute import backend, explain
+from fadam._muon_aliases import muon, muon_labels, muon_with_adamw
 from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop
 from fadam._tree import (
     tree_add,
@@ -118,6 +119,7 @@ from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_de
 from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
 from fadam.transforms._lion import ScaleByLionState, scale_by_lion
 from fadam.transforms._momentum import EmaState, TraceState, ema, trace
+from fadam.transforms._muon import ScaleByMuonState, scale_by_muon
 from fadam.transforms._rms import (
     ScaleByRmsState,
     ScaleByRssState,
@@ -159,6 +161,7 @@ torch.serialization.add_safe_globals(
         ScaleByAsgdState,
         ScaleByBeliefState,
         ScaleByLionState,
+        ScaleByMuonState,
         ScaleByNadamState,
         ScaleByRStdDevState,
         ScaleByRadamState,
@@ -208,6 +211,7 @@ __all__ = [
     "ScaleByAsgdState",
     "ScaleByBeliefState",
     "ScaleByLionState",
+    "ScaleByMuonState",
     "ScaleByNadamState",
     "ScaleByRStdDevState",
     "ScaleByRadamState",
@@ -262,6 +266,9 @@ __all__ = [
     "lion",
     "lion8bit",
     "masked",
+    "muon",
+    "muon_labels",
+    "muon_with_adamw",
     "nadam",
     "nadamw",
     "named_chain",
@@ -291,6 +298,7 @@ __all__ = [
     "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_muon",
     "scale_by_nadam",
     "scale_by_param_block_rms",
     "scale_by_radam",

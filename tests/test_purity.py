@@ -54,6 +54,20 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     "ema": [lambda: fadam.ema(0.9), lambda: fadam.ema(0.9, debias=False)],
     "lamb": [lambda: fadam.lamb(1e-2, weight_decay=0.01)],
     "lion": [lambda: fadam.lion(1e-3, weight_decay=0.1)],
+    "muon": [
+        lambda: fadam.masked(fadam.muon(1e-2), lambda params: fadam.tree_map(lambda p: p.ndim == 2, params)),
+        lambda: fadam.masked(
+            fadam.muon(_half_lr, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+            lambda params: fadam.tree_map(lambda p: p.ndim == 2, params),
+        ),
+    ],
+    "muon_with_adamw": [
+        lambda: fadam.muon_with_adamw(0.02, adamw_lr=1e-2),
+        lambda: fadam.muon_with_adamw(_half_lr, weight_decay=0.0, adamw_for=lambda path, p: "layer" in path),
+    ],
+    "scale_by_muon": [
+        lambda: fadam.masked(fadam.scale_by_muon(), lambda params: fadam.tree_map(lambda p: p.ndim == 2, params))
+    ],
     "sign_sgd": [lambda: fadam.sign_sgd(1e-2)],
     "signum": [lambda: fadam.signum(1e-2), lambda: fadam.signum(_half_lr, beta=0.5, accumulator_dtype=torch.float64)],
     "nadam": [lambda: fadam.nadam(1e-2), lambda: fadam.nadam(1e-2, weight_decay=0.1, decoupled_weight_decay=True)],
