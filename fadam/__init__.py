@@ -130,6 +130,14 @@ from fadam.transforms._rms import (
 )
 from fadam.transforms._rprop import ScaleByRpropState, scale_by_rprop
 from fadam.transforms._scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_schedule
+from fadam.transforms._schedule_free import (
+    ScaleBySecondMomentState,
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 from fadam.transforms._sign import scale_by_sign
 from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
 
@@ -169,7 +177,9 @@ torch.serialization.add_safe_globals(
         ScaleByRssState,
         ScaleByRpropState,
         ScaleByScheduleState,
+        ScaleBySecondMomentState,
         ScaleByYogiState,
+        ScheduleFreeState,
         TraceState,
         ZeroNansState,
     ]
@@ -221,6 +231,7 @@ __all__ = [
     "ScaleByScheduleState",
     "ScaleByYogiState",
     "Schedule",
+    "ScheduleFreeState",
     "Sharded",
     "TraceState",
     "ZeroNansState",
@@ -310,6 +321,10 @@ __all__ = [
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "scale_by_yogi",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
     "schedules",
     "selective_transform",
     "set_to_zero",

@@ -25,6 +25,7 @@ from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
 from fadam.transforms._adam_variants import ScaleByAdamaxState, ScaleByNadamState, ScaleByRadamState
 from fadam.transforms._momentum import TraceState
 from fadam.transforms._rms import ScaleByRmsState, ScaleByRssState, ScaleByRStdDevState
+from fadam.transforms._schedule_free import is_schedule_free, schedule_free_eval_params, schedule_free_train_params
 
 __all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
 
@@ -718,6 +719,7 @@ class Optimizer(torch.optim.Optimizer):
 
         Every group's options are read first, and a group whose options changed gets its transform rebuilt; a bad
         value raises before any group is stepped."""
+        self._check_train_mode()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -820,6 +822,44 @@ class Optimizer(torch.optim.Optimizer):
             if p.grad is not None and u is not None:
                 p.add_(u.to(p.dtype))
         return state
+
+    # --- schedule-free train and eval modes -------------------------------------------------------------------------
+
+    def eval(self) -> None:
+        """Sets every param to the evaluation point ``x`` of its schedule-free transform, as ``schedulefree``'s
+        optimizers' ``eval()`` does (``fadam.schedule_free_eval_params``); ``train()`` sets them back to the train
+        point ``y``. The mode is each group's ``"train_mode"`` (absent: train, where a group starts), kept in
+        ``state_dict``: save checkpoints in eval mode, as schedulefree advises. ``step`` refuses to run in eval mode.
+        Raises ``TypeError``, changing nothing, unless every group's transform is schedule-free."""
+        self._switch_mode(train=False)
+
+    def train(self) -> None:
+        """Sets the params back to the train point ``y`` after ``eval()`` (a no-op in train mode)."""
+        self._switch_mode(train=True)
+
+    def _switch_mode(self, train: bool) -> None:
+        for index, state in enumerate(self.tx_states):
+            if not is_schedule_free(state):
+                raise TypeError(
+                    f"train() and eval() switch the params of schedule-free transforms (fadam.schedule_free_adamw, "
+                    f"fadam.schedule_free_sgd, fadam.schedule_free): param group {index}'s transform is not one"
+                )
+        move = schedule_free_train_params if train else schedule_free_eval_params
+        with torch.no_grad():
+            for index, group in enumerate(self.param_groups):
+                if group.get("train_mode", True) == train:
+                    continue
+                params = self._tree(group, [p.detach() for p in group["params"]])
+                moved = move(self.tx_states[index], params)
+                for p, new in zip(optree.tree_leaves(params), optree.tree_leaves(moved)):  # one namespace for both
+                    if new is not p:
+                        p.copy_(new)
+                group["train_mode"] = train
+
+    def _check_train_mode(self) -> None:
+        evaluating = [index for index, group in enumerate(self.param_groups) if not group.get("train_mode", True)]
+        if evaluating:
+            raise RuntimeError(f"param groups {evaluating} are in eval mode (eval()): call train() before step()")
 
     # --- checkpoints ------------------------------------------------------------------------------------------------
 

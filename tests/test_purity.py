@@ -185,6 +185,15 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     "scale_by_asgd": [fadam.scale_by_asgd, lambda: fadam.scale_by_asgd(torch.tensor(0.1), t0=0.0)],
     "scale_by_rprop": [fadam.scale_by_rprop],
     "scale_by_adafactor_torch": [fadam.scale_by_adafactor_torch],
+    "schedule_free": [
+        lambda: fadam.schedule_free(fadam.sgd(1e-2), 1e-2),
+        lambda: fadam.schedule_free(fadam.adam(_half_lr, betas=(0.0, 0.999)), _half_lr, b1=0.8, r=1.0),
+    ],
+    "schedule_free_adamw": [
+        lambda: fadam.schedule_free_adamw(1e-2),
+        lambda: fadam.schedule_free_adamw(_half_lr, warmup_steps=2, weight_decay=0.1),
+    ],
+    "schedule_free_sgd": [lambda: fadam.schedule_free_sgd(0.1, warmup_steps=3, weight_decay=0.01, r=0.5)],
 }
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
