@@ -117,6 +117,7 @@ from fadam.transforms._cautious import cautious
 from fadam.transforms._clipping import clip, clip_by_block_rms, clip_by_global_norm
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
+from fadam.transforms._lbfgs import LbfgsState, lbfgs
 from fadam.transforms._lion import ScaleByLionState, scale_by_lion
 from fadam.transforms._momentum import EmaState, TraceState, ema, trace
 from fadam.transforms._muon import ScaleByMuonState, scale_by_muon
@@ -152,6 +153,7 @@ torch.serialization.add_safe_globals(
         EmptyState,
         FactoredState,
         InjectHyperparamsState,
+        LbfgsState,
         MaskedNode,
         MaskedState,
         MultiStepsState,
@@ -198,6 +200,7 @@ __all__ = [
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "InjectHyperparamsState",
+    "LbfgsState",
     "MaskedNode",
     "MaskedState",
     "MetaOptimizer",
@@ -272,6 +275,7 @@ __all__ = [
     "inject_hyperparams",
     "join_schedules",
     "lamb",
+    "lbfgs",
     "linear_onecycle_schedule",
     "linear_schedule",
     "lion",

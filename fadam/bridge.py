@@ -410,6 +410,12 @@ def _backend_of(group: dict[str, Any]) -> str:
     return "auto"
 
 
+def _minimizes(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` minimizes a loss closure (``fadam.lbfgs``): its update takes ``value_fn`` and gives the new
+    params themselves."""
+    return callable(getattr(tx.update, "minimize", None))
+
+
 def _default_options(tx: Any, options: dict[str, Any]) -> dict[str, Any]:
     """The optimizer-wide values of the default factory's options: its own defaults, overridden by those given."""
     if isinstance(tx, GradientTransformation):
@@ -471,6 +477,11 @@ class Optimizer(torch.optim.Optimizer):
     torch.optim's messages) before any group steps. A key that the group's transform does not take is kept and
     ignored, as by torch.optim; so are options with a ready transform, which is built with its own (passing options
     with one to ``fadam.Optimizer`` raises).
+
+    **A loss closure.** ``fadam.lbfgs`` (``fadam.Optimizer(params, fadam.lbfgs, lr=1, ...)``) is stepped as
+    ``torch.optim.LBFGS``: ``step(closure)`` needs the closure, runs it at every point the transform evaluates (the
+    params set to that point) and leaves the params where torch's would be, bit for bit; ``max_eval`` of ``None``
+    becomes ``max_iter * 5 // 4`` in the group, and the optimizer takes one param group, as torch's.
 
     **torch.optim's implementation flags** are group options of every group, with torch's defaults, mapped onto
     fadam's backends (``fadam.backend``): ``fused=True`` runs torch's fused kernel where the alias has one (bit for
@@ -612,6 +623,8 @@ class Optimizer(torch.optim.Optimizer):
         try:
             _check_flags(group, f"param group {len(self.param_groups) - 1}")
             tx, mode, state, recipe, values = self._setup(group, spec, lr_given)
+            if len(self.param_groups) > 1 and any(_minimizes(t) for t in (*self._txs, tx)):
+                raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
         except Exception:
             del self.param_groups[-1]
             raise
@@ -671,6 +684,10 @@ class Optimizer(torch.optim.Optimizer):
             recipe = _recipe(spec, self._shared_options if spec is self.defaults["tx"] else ())[0]
             values = _option_values(group, recipe, where)
             tx = _build(recipe, values, group, where)
+            # options a default resolves (fadam.lbfgs's max_eval), written into the group as torch.optim does
+            for name, value in getattr(tx.update, "resolved", {}).items():
+                if values.get(name, value) is None:
+                    group[name] = values[name] = value
             return tx, "factory", tx.init(params), recipe, values
         raise TypeError(f"tx must be a GradientTransformation or a factory taking lr, got {type(spec).__name__}")
 
@@ -720,6 +737,12 @@ class Optimizer(torch.optim.Optimizer):
         Every group's options are read first, and a group whose options changed gets its transform rebuilt; a bad
         value raises before any group is stepped."""
         self._check_train_mode()
+        minimizing = any(_minimizes(tx) for tx in self._txs)
+        if minimizing and closure is None:
+            raise TypeError(
+                "step() missing 1 required positional argument: 'closure' (fadam.lbfgs evaluates the loss closure, "
+                "as torch.optim.LBFGS does)"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -728,14 +751,17 @@ class Optimizer(torch.optim.Optimizer):
             prepared = [
                 (index, *self._prepared(index))
                 for index, group in enumerate(self.param_groups)
-                if any(p.grad is not None for p in group["params"])
+                if minimizing or any(p.grad is not None for p in group["params"])
             ]
         for index, tx, state, values in prepared:
             group = self.param_groups[index]
             self._txs[index], self.tx_states[index], self._built_with[index] = tx, state, values
             self._flags[index] = _flags_of(group)
             with torch.set_grad_enabled(group["differentiable"]), backend(_backend_of(group)):
-                self.tx_states[index] = self._stepped(index, tx, state)
+                if _minimizes(tx):
+                    self.tx_states[index] = self._minimized(index, tx, state, loss, closure)  # type: ignore[arg-type]
+                else:
+                    self.tx_states[index] = self._stepped(index, tx, state)
             self._fresh[index] = False
         return loss
 
@@ -802,6 +828,37 @@ class Optimizer(torch.optim.Optimizer):
         for p, new in zip(tree_leaves(params), tree_leaves(new_params)):
             if new is not p:
                 p.copy_(new)
+        return state
+
+    def _minimized(
+        self, index: int, tx: GradientTransformation, state: PyTree, loss: Any, closure: Callable[[], Any]
+    ) -> PyTree:
+        """Steps group ``index`` by a transform that minimizes the closure's loss (``fadam.lbfgs``), as
+        ``torch.optim.LBFGS.step`` does: the closure runs at each point the transform evaluates, with the params set
+        to it, and the params end at the point the transform computed, bit for bit."""
+        group = self.param_groups[index]
+        if group["differentiable"]:
+            raise ValueError(f"param group {index}: fadam.lbfgs does not step differentiably (differentiable=True)")
+        if self._modes[index] == "rescale" and _lr_value(group["lr"]) != self._base_lrs[index]:
+            raise ValueError(
+                f"param group {index}: a ready fadam.lbfgs transform keeps the lr it was built with; pass the factory "
+                "fadam.lbfgs to follow the group's lr"
+            )
+        live = list(group["params"])
+        targets = tree_leaves(self._tree(group, live))
+
+        def value_fn(point: PyTree) -> tuple[Any, PyTree]:
+            with torch.no_grad():
+                for p, x in zip(targets, tree_leaves(point)):
+                    p.copy_(x)
+            return closure(), self._tree(group, [p.grad for p in live])
+
+        # copies: the transform reads the starting point while value_fn writes the params
+        params = self._tree(group, [p.detach().clone() for p in live])
+        grads = self._tree(group, [p.grad for p in live])
+        new_params, state = tx.update.minimize(grads, state, params, value=loss, value_fn=value_fn)  # type: ignore
+        for p, new in zip(targets, tree_leaves(new_params)):
+            p.copy_(new)
         return state
 
     def _stepped_differentiably(self, index: int, tx: GradientTransformation, state: PyTree, grads: PyTree) -> PyTree:

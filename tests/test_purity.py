@@ -195,6 +195,25 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     ],
     "schedule_free_sgd": [lambda: fadam.schedule_free_sgd(0.1, warmup_steps=3, weight_decay=0.01, r=0.5)],
 }
+
+def _lbfgs_with_value_fn(**options: Any) -> fadam.GradientTransformation:
+    """fadam.lbfgs given its loss closure at every update: the sum of |p|^2 / 2, whose gradient is p."""
+    tx = fadam.lbfgs(**options)
+
+    def value_fn(params: Any) -> tuple[float, Any]:
+        value = float(fadam.tree_global_norm(params)) ** 2 / 2
+        return value, fadam.tree_map(lambda p: p.clone(), params)
+
+    def update(updates: Any, state: Any, params: Any = None, **_: Any) -> tuple[Any, Any]:
+        return tx.update(updates, state, params, value=value_fn(params)[0], value_fn=value_fn)
+
+    return fadam.GradientTransformation(tx.init, update)
+
+
+FACTORIES["lbfgs"] = [
+    lambda: _lbfgs_with_value_fn(max_iter=4, history_size=2),
+    lambda: _lbfgs_with_value_fn(lr=_half_lr, line_search_fn="strong_wolfe", max_iter=3),
+]
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
