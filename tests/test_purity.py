@@ -196,6 +196,7 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     "schedule_free_sgd": [lambda: fadam.schedule_free_sgd(0.1, warmup_steps=3, weight_decay=0.01, r=0.5)],
 }
 
+
 def _lbfgs_with_value_fn(**options: Any) -> fadam.GradientTransformation:
     """fadam.lbfgs given its loss closure at every update: the sum of |p|^2 / 2, whose gradient is p."""
     tx = fadam.lbfgs(**options)
