@@ -21,10 +21,15 @@ from fadam._dispatch import first_overlap
 from fadam._execute import backend
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
 from fadam.quantization import QuantizedArray
+from fadam.transforms._adadelta import ScaleByAdadeltaState
+from fadam.transforms._adafactor_torch import ScaleByAdafactorTorchState
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
 from fadam.transforms._adam_variants import ScaleByAdamaxState, ScaleByNadamState, ScaleByRadamState
+from fadam.transforms._asgd import ScaleByAsgdState, _rates, _scalar_dtype
 from fadam.transforms._momentum import TraceState
+from fadam.transforms._muon import ScaleByMuonState
 from fadam.transforms._rms import ScaleByRmsState, ScaleByRssState, ScaleByRStdDevState
+from fadam.transforms._rprop import ScaleByRpropState
 from fadam.transforms._schedule_free import is_schedule_free, schedule_free_eval_params, schedule_free_train_params
 
 __all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
@@ -1132,11 +1137,42 @@ _MOMENTS: dict[tuple[type, str], str] = {
     (ScaleByRStdDevState, "nu"): "square_avg",
     (ScaleByRssState, "sum_of_squares"): "sum",
     (TraceState, "trace"): "momentum_buffer",
+    (ScaleByAdadeltaState, "square_avg"): "square_avg",
+    (ScaleByAdadeltaState, "acc_delta"): "acc_delta",
+    (ScaleByAsgdState, "ax"): "ax",
+    (ScaleByRpropState, "prev"): "prev",
+    (ScaleByRpropState, "step_size"): "step_size",
+    (ScaleByAdafactorTorchState, "row_var"): "row_var",
+    (ScaleByAdafactorTorchState, "col_var"): "col_var",
+    (ScaleByAdafactorTorchState, "variance"): "variance",
+    (ScaleByMuonState, "mu"): "momentum_buffer",
+}
+# fields whose entry for a param of that many dims is a placeholder, not state torch.optim keeps (Adafactor keeps
+# row and column statistics of matrices, a full second moment of the others)
+_PLACEHOLDERS: dict[tuple[type, str], Callable[[int], bool]] = {
+    (ScaleByAdafactorTorchState, "row_var"): lambda ndim: ndim < 2,
+    (ScaleByAdafactorTorchState, "col_var"): lambda ndim: ndim < 2,
+    (ScaleByAdafactorTorchState, "variance"): lambda ndim: ndim >= 2,
+}
+
+
+def _asgd_rates(group: dict[str, Any], param: torch.Tensor, count: int) -> dict[str, torch.Tensor]:
+    """torch.optim.ASGD's ``eta`` and ``mu`` after ``count`` steps of ``group``: fadam derives them from the count."""
+    dtype = _scalar_dtype()
+    lr = _lr_value(group["lr"])
+    eta, mu = _rates(lr, group["lambd"], group["alpha"], group["t0"], torch.tensor(count), dtype)
+    return {name: torch.tensor(value, dtype=dtype, device=param.device) for name, value in (("eta", eta), ("mu", mu))}
+
+
+# torch.optim keys that fadam derives from the step count and the hyperparameters instead of keeping: read as present
+# (and ignored) on import, computed from the optimizer's group on export
+_DERIVED: dict[type, tuple[tuple[str, ...], Callable[[dict[str, Any], torch.Tensor, int], dict[str, torch.Tensor]]]] = {
+    ScaleByAsgdState: (("eta", "mu"), _asgd_rates)
 }
 # scalar fields kept once in fadam and per param in torch.optim
 _SCALARS: dict[tuple[type, str], str] = {(ScaleByNadamState, "mu_product"): "mu_product"}
 # the fadam states whose torch.optim optimizer keeps a per-param ``step`` (all but SGD's momentum)
-_STEPPED = frozenset(owner for owner, _ in _MOMENTS) - {TraceState}
+_STEPPED = frozenset(owner for owner, _ in _MOMENTS) - {TraceState, ScaleByMuonState}
 # torch.optim optimizer -> the per-param keys it keeps once stepped, and those a group option adds
 _TORCH_KEYS: tuple[tuple[type[torch.optim.Optimizer], frozenset[str], dict[str, str]], ...] = (
     (torch.optim.SGD, frozenset(), {"momentum": "momentum_buffer"}),
@@ -1146,6 +1182,11 @@ _TORCH_KEYS: tuple[tuple[type[torch.optim.Optimizer], frozenset[str], dict[str, 
     (torch.optim.Adamax, frozenset({"step", "exp_avg", "exp_inf"}), {}),
     (torch.optim.RMSprop, frozenset({"step", "square_avg"}), {"momentum": "momentum_buffer", "centered": "grad_avg"}),
     (torch.optim.Adagrad, frozenset({"step", "sum"}), {}),
+    (torch.optim.Adadelta, frozenset({"step", "square_avg", "acc_delta"}), {}),
+    (torch.optim.ASGD, frozenset({"step", "eta", "mu", "ax"}), {}),
+    (torch.optim.Rprop, frozenset({"step", "prev", "step_size"}), {}),
+    (torch.optim.Adafactor, frozenset({"step"}), {}),  # and its statistics, by the param's dims
+    (torch.optim.Muon, frozenset({"momentum_buffer"}), {}),
 )
 
 
@@ -1156,13 +1197,19 @@ def _param_leaves(params: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
     return leaves, spec
 
 
-def _torch_entries(leaves: list[Any], slots: list[_Slot], paths: list[str]) -> tuple[list[dict[str, int]], list[bool]]:
-    """For each param: the torch.optim keys its fadam state maps to (key -> index of the state leaf holding it), and
-    whether torch.optim keeps a ``step`` for it. Raises for a param's state that has no torch.optim counterpart."""
+def _torch_entries(
+    leaves: list[Any], slots: list[_Slot], paths: list[str], ndims: list[int]
+) -> tuple[list[dict[str, int]], list[bool], list[set[type]]]:
+    """For each param (of ``ndims`` dims): the torch.optim keys its fadam state maps to (key -> index of the state
+    leaf holding it), whether torch.optim keeps a ``step`` for it, and the fadam state types holding its state. Raises
+    for a param's state that has no torch.optim counterpart."""
     entries: list[dict[str, int]] = [{} for _ in paths]
     owners: list[set[type]] = [set() for _ in paths]
     for index, (leaf, slot) in enumerate(zip(leaves, slots)):
         if slot.param is None or leaf is None:
+            continue
+        placeholder = _PLACEHOLDERS.get((slot.owner, slot.field))  # type: ignore[arg-type]
+        if placeholder is not None and placeholder(ndims[slot.param]):
             continue
         key = _MOMENTS.get((slot.owner, slot.field))  # type: ignore[arg-type]
         where = f"param {paths[slot.param]}: fadam's {slot.key}"
@@ -1178,7 +1225,11 @@ def _torch_entries(leaves: list[Any], slots: list[_Slot], paths: list[str]) -> t
         for param, types in enumerate(owners):
             if key is not None and slot.owner in types:
                 entries[param][key] = index
-    return entries, [bool(types & _STEPPED) for types in owners]
+    return entries, [bool(types & _STEPPED) for types in owners], owners
+
+
+def _derived_keys(types: set[type]) -> set[str]:
+    return {key for owner in types if owner in _DERIVED for key in _DERIVED[owner][0]}
 
 
 def _torch_param_states(source: torch.optim.Optimizer | dict[str, Any], params: PyTree) -> list[dict[str, Any]]:
@@ -1232,7 +1283,7 @@ def _convert_from_torch(
     per_param: list[dict[str, Any]], tx: GradientTransformation, params: PyTree, count: int | None
 ) -> PyTree:
     """``tx``'s state for ``params`` holding ``per_param`` (torch.optim's state of each params leaf, in order)."""
-    _, spec = tree_flatten(params)
+    param_leaves, spec = tree_flatten(params)
     paths = [path_str(p) for p in spec.paths()]
     state = tx.init(params)
     leaves, state_spec = tree_flatten(state)
@@ -1241,9 +1292,10 @@ def _convert_from_torch(
     new_leaves = list(leaves)
     stepped = any(found)  # torch.optim's state is empty until a param's first step: that converts to a fresh state
     if stepped:
-        entries, keeps_step = _torch_entries(leaves, slots, paths)
-        for path, keys, has_step, got in zip(paths, entries, keeps_step, found):
-            expected = set(keys) | ({"step"} if has_step else set())
+        ndims = [p.dim() for p in param_leaves]
+        entries, keeps_step, owners = _torch_entries(leaves, slots, paths, ndims)
+        for path, keys, has_step, got, types in zip(paths, entries, keeps_step, found, owners):
+            expected = set(keys) | ({"step"} if has_step else set()) | _derived_keys(types)
             if got != expected:
                 raise ValueError(
                     f"cannot convert torch.optim state of param {path}: expected keys {sorted(expected)}, "
@@ -1273,7 +1325,9 @@ def state_from_torch(
     r"""Converts a torch.optim optimizer's state into the functional state of ``tx``, to continue a run with fadam.
 
     Supported: the moments of ``Adam``/``AdamW`` (and AMSGrad), ``SGD``'s momentum buffer, and those of ``NAdam``,
-    ``RAdam``, ``Adamax``, ``RMSprop``, ``Adagrad``, mapped onto the matching fadam states inside ``tx``'s state; every
+    ``RAdam``, ``Adamax``, ``RMSprop``, ``Adagrad``, ``Adadelta``, ``ASGD`` (its ``ax``; ``eta`` and ``mu`` follow
+    from the step), ``Rprop``, ``Adafactor`` (row and column statistics of matrices, the full moment of the other
+    params) and ``Muon``, mapped onto the matching fadam states inside ``tx``'s state; every
     step count in the state becomes torch's step. torch.optim keeps one step per param and fadam one per transform:
     if the params' steps differ the conversion is refused. ``SGD`` keeps no step: its count is taken as 1 once a
     momentum buffer exists (pass ``count`` to set it, e.g. for a learning-rate schedule). Hyperparameters are not
@@ -1306,11 +1360,14 @@ def state_from_torch(
     return _convert_from_torch(_torch_param_states(source, params), tx, params, count)
 
 
-def _torch_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
-    """The per-param state keys ``optimizer`` keeps for a param of ``group`` once it has stepped."""
+def _torch_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> set[str]:
+    """The per-param state keys ``optimizer`` keeps for ``param`` of ``group`` once it has stepped."""
     for cls, keys, options in _TORCH_KEYS:
         if isinstance(optimizer, cls):
-            return set(keys) | {key for option, key in options.items() if group.get(option)}
+            shaped = set()
+            if isinstance(optimizer, torch.optim.Adafactor):
+                shaped = {"row_var", "col_var"} if param.dim() > 1 else {"variance"}
+            return set(keys) | shaped | {key for option, key in options.items() if group.get(option)}
     supported = ", ".join(cls.__name__ for cls, _, _ in _TORCH_KEYS)
     raise ValueError(
         f"state_to_torch converts into torch.optim's {supported} (and AdamW), not {type(optimizer).__name__}"
@@ -1333,12 +1390,14 @@ def state_to_torch(
     entries, the step count becomes each param's ``step``. ``optimizer`` supplies the param groups (its
     hyperparameters are kept as they are) and the param order. The entries must be exactly those ``optimizer``
     keeps (``exp_avg``, ``exp_avg_sq`` and ``step`` for ``Adam``; ``square_avg``, and ``grad_avg`` and
-    ``momentum_buffer`` when centered and with momentum, for ``RMSprop``; ...), or the conversion is refused naming
+    ``momentum_buffer`` when centered and with momentum, for ``RMSprop``; ``ASGD``'s ``eta`` and ``mu`` computed from
+    the count and ``optimizer``'s hyperparameters; ...), or the conversion is refused naming
     the param, and so is state with no torch.optim counterpart. Before the first step (count 0) the state is empty,
     as torch.optim's is (``Adagrad``'s, which torch.optim fills at construction, holds the initial sums).
 
-    ``fadam.rmsprop`` and ``fadam.adagrad`` without ``lr_decay`` keep no step count (their updates do not depend on
-    it): pass ``count``, the number of steps taken, which becomes torch's ``step``.
+    ``fadam.rmsprop``, ``fadam.adagrad`` without ``lr_decay``, ``fadam.adadelta`` and ``fadam.rprop`` keep no step
+    count (their updates do not depend on it): pass ``count``, the number of steps taken, which becomes torch's
+    ``step``. ``Muon`` keeps no step: its momentum buffers are written as they are.
 
     Args:
         state: the fadam state.
@@ -1372,10 +1431,10 @@ def state_to_torch(
     paths = [path_str(p) for p in spec.paths()]
     state_leaves = tree_leaves(state)
     slots = _slots(state, spec)
-    entries, keeps_step = _torch_entries(state_leaves, slots, paths)
-    for path, keys, has_step, opt_index in zip(paths, entries, keeps_step, order):
-        given = set(keys) | ({"step"} if has_step else set())
-        wanted = _torch_keys(optimizer, groups_of[opt_index])
+    entries, keeps_step, owners = _torch_entries(state_leaves, slots, paths, [p.dim() for p in leaves])
+    for path, keys, has_step, opt_index, types in zip(paths, entries, keeps_step, order, owners):
+        given = set(keys) | ({"step"} if has_step else set()) | _derived_keys(types)
+        wanted = _torch_keys(optimizer, groups_of[opt_index], opt_params[opt_index])
         if given != wanted:
             raise ValueError(
                 f"cannot convert the state of param {path} for {type(optimizer).__name__}: it keeps "
@@ -1385,15 +1444,20 @@ def state_to_torch(
         counts = {int(leaf) for leaf, slot in zip(state_leaves, slots) if slot.param is None and slot.field == "count"}
         if len(counts) > 1:
             raise ValueError(f"the fadam state holds different step counts {sorted(counts)}; torch.optim needs one")
-        if not counts and any(entries):
-            raise ValueError("the fadam state keeps no step count (rmsprop, adagrad without lr_decay): pass count=")
-        count = next(iter(counts), 0)
+        if not counts and any(keeps_step):
+            raise ValueError(
+                "the fadam state keeps no step count (rmsprop, adagrad without lr_decay, adadelta, rprop): pass count="
+            )
+        count = next(iter(counts), None)  # None: no param keeps a step (Muon's momentum), the entries as they are
     if count == 0 and not isinstance(optimizer, torch.optim.Adagrad):
         return {"state": {}, "param_groups": sd["param_groups"]}
     new_state = {}
-    for keys, has_step, opt_index in zip(entries, keeps_step, order):
+    for keys, has_step, opt_index, types in zip(entries, keeps_step, order, owners):
         entry = {key: state_leaves[index].detach().clone() for key, index in keys.items()}
+        group, param = groups_of[opt_index], opt_params[opt_index]
         if has_step:
-            entry["step"] = _torch_step(count, groups_of[opt_index], opt_params[opt_index])
+            entry["step"] = _torch_step(count, group, param)  # type: ignore[arg-type]
+        for owner in types & _DERIVED.keys():
+            entry.update(_DERIVED[owner][1](group, param, count))  # type: ignore[arg-type]
         new_state[indices[opt_index]] = entry
     return {"state": new_state, "param_groups": sd["param_groups"]}
