@@ -1,0 +1,323 @@
+"""The generated Triton kernel (``fadam._triton_kernel``), run on the CPU by Triton's interpreter, against the eager
+path (``tx.update`` then ``apply_updates``).
+
+The contract, per step: bit for bit, float32, float64 and bfloat16, updates, params and state, against the eager
+path computing its square roots as the IEEE standard says (the kernel's, and numpy's in the interpreter); against
+torch's own CPU square root, MKL's, whose last bit differs for about 1% of float32 and float64 inputs, the state
+still bit for bit, the params within ``PARAM_ULPS`` ulps of the update beyond their own rounding and the updates
+within ``UPDATE_ULPS`` ulps of their largest magnitude. The rows are built here from a trace of each segment's
+declarations, as ``fadam._execute._run_kernel`` builds them for the C++ backend.
+"""
+
+import numpy
+import optree
+import pytest
+import torch
+
+import fadam
+from fadam._cpu_kernel import Quantized, _aten_fma, cache_dir
+from fadam._execute import segments
+from fadam._program import EagerOps, program_of, scalar_values, state_at, trace, with_state_at
+
+pytest.importorskip("triton")
+
+from fadam import _triton_kernel
+
+PARAM_ULPS = 2
+UPDATE_ULPS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreted(tmp_path_factory: pytest.TempPathFactory):
+    """Kernels are decorated for Triton's interpreter (read when their module is imported) and written to a
+    temporary folder; both restored after the module, so no other test meets them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        patch.setenv("FADAM_CACHE_DIR", str(tmp_path_factory.mktemp("fadam-triton")))
+        _triton_kernel._load.cache_clear()
+        yield
+    _triton_kernel._load.cache_clear()
+
+
+_lr = fadam.scale_by_learning_rate
+
+PROGRAMS = {
+    "adam": lambda: fadam.chain(fadam.scale_by_adam(), _lr(1e-2)),
+    "adam-amsgrad": lambda: fadam.chain(fadam.scale_by_adam(amsgrad=True), _lr(1e-2)),
+    "adam-nesterov": lambda: fadam.chain(fadam.scale_by_adam(nesterov=True), _lr(1e-2)),
+    "adamw": lambda: fadam.chain(fadam.scale_by_adam(), fadam.add_decayed_weights(0.1), _lr(1e-2)),
+    "lion": lambda: fadam.chain(fadam.scale_by_lion(), _lr(1e-3)),
+    "momentum-nesterov": lambda: fadam.chain(fadam.trace(0.9, nesterov=True), _lr(1e-2)),
+    "momentum-dampening": lambda: fadam.chain(fadam.trace(0.9, dampening=0.3), _lr(1e-2)),
+    "clip": lambda: fadam.chain(fadam.clip(0.5), _lr(1e-2)),
+    "clip_by_global_norm": lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.trace(0.9), _lr(1e-1)),
+    "rms-rsqrt": lambda: fadam.chain(fadam.scale_by_rms(eps_in_sqrt=True), _lr(1e-2)),
+    "lamb": lambda: fadam.lamb(1e-2, weight_decay=0.1),  # per-leaf trust ratios, in a second segment
+}
+TAKE_SQUARE_ROOTS = {"adam", "adam-amsgrad", "adam-nesterov", "adamw", "lamb"}  # rsqrt: 1 / the IEEE one, on the CPU
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def _params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Several blocks with a ragged tail, exactly one block, a small matrix and an empty leaf: one launch for all.
+    bfloat16 leaves are whole vectors of ATen's loops, whose rounding the kernels follow: on a scalar tail ATen rounds
+    some ops otherwise (``tests/test_program.py``'s ``_bfloat16_params``)."""
+    gen = torch.Generator().manual_seed(0)
+    ragged = dtype != torch.bfloat16
+    sizes = {
+        "big": (2500 if ragged else 2560,),
+        "block": (_triton_kernel.BLOCK,),
+        "matrix": (3, 5) if ragged else (4, 64),
+        "empty": (0,),
+    }
+    return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in sizes.items()}
+
+
+def _grads(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Magnitudes from 1e-6 to 1e3, with zeros and negative zeros at places that move with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def leaf(p: torch.Tensor) -> torch.Tensor:
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        g = (g * 10.0 ** torch.randint(-6, 4, p.shape, generator=gen)).to(p.dtype)
+        g.view(-1)[seed % 7 :: 7] = 0.0
+        g.view(-1)[seed % 5 :: 11] = -0.0
+        return g
+
+    return {name: leaf(p) for name, p in params.items()}
+
+
+def _eager(tx, params, grads, state):
+    """The eager path's updates, new params and new state."""
+    with fadam.backend("eager"):
+        updates, state = tx.update(grads, state, params)
+    return updates, fadam.apply_updates(params, updates), state
+
+
+def _kernel(tx, params, grads, state, applies: bool, kernel_runs: list[int] | None = None):
+    """``tx``'s updates (``applies``: its new params) and new state with the Triton kernel: per segment, one launch
+    over every leaf."""
+    program, state = program_of(tx).expanded(state)
+    spec = optree.tree_structure(params)
+    param_leaves, updates = spec.flatten_up_to(params), spec.flatten_up_to(grads)
+    parts = segments(program)
+    for number, part in enumerate(parts):
+        assert not part.opaque and all(not stage.selections for stage in part.stages)
+        last = applies and number == len(parts) - 1
+        decls = tuple(stage.decl for stage in part.stages)
+        traced = trace(decls, last)
+        stage_states = [state_at(state, stage.path) for stage in part.stages]
+        scalars = [decl.scalars(s, updates) for decl, s in zip(decls, stage_states)]
+        slots = [
+            spec.flatten_up_to(getattr(s, slot.name)) for decl, s in zip(decls, stage_states) for slot in decl.slots
+        ]
+        rows, leaf_values, outputs = [], [], []
+        for i, (p, u) in enumerate(zip(param_leaves, updates)):
+            own = {f"{j}.{k}": v for j, d in enumerate(decls) if d.reduce_leaf for k, v in d.reduce_leaf(u, p).items()}
+            leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
+            slot_in = [slot[i] for slot in slots]
+            slot_out = [torch.empty_like(t) for t in slot_in]
+            final = torch.empty_like(p if last else u)
+            rows.append([u, *([p] if traced.reads_params else []), *slot_in, *slot_out, final])
+            outputs.append((slot_out, final))
+        dtypes = tuple(t.dtype for t in rows[0][: len(traced.graph.inputs)])
+        kernel = _triton_kernel.load(traced, dtypes, fma=_aten_fma())  # the CPU's rule: the eager path ran there
+        kernel.run(rows, scalar_values(scalars, traced.graph), leaf_values)
+        if kernel_runs is not None:
+            kernel_runs.append(len(rows))
+        new_slots = iter(zip(*(slot_out for slot_out, _ in outputs)))
+        for stage, decl, stage_state, found in zip(part.stages, decls, stage_states, scalars):
+            trees = [spec.unflatten(next(new_slots)) for _ in decl.slots]
+            state = with_state_at(state, stage.path, decl.advance(stage_state, trees, found))
+        updates = [final for _, final in outputs]
+    return spec.unflatten(updates), state
+
+
+_INTEGERS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between ``a`` and ``b`` in units in the last place, element by element: 0 for equal bits
+    (a zero's sign counts: 1 between 0 and -0) and between NaNs, a huge number between a NaN and a number."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype not in _INTEGERS:
+        return 0 if torch.equal(a, b) else 1 << 62  # a step count
+    if a.numel() == 0:
+        return 0
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:  # monotone in the value; -0 just below +0
+        bits = t.view(_INTEGERS[t.dtype]).to(torch.int64)
+        magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+        return torch.where(bits < 0, -magnitude - 1, magnitude)
+
+    distance = (ordered(a) - ordered(b)).abs()
+    distance = torch.where(a.isnan() & b.isnan(), 0, distance)
+    distance = torch.where(a.isnan() != b.isnan(), 1 << 62, distance)
+    return int(distance.max())
+
+
+def _largest_ulps(kernel, eager, what: str) -> dict[str, int]:
+    """Per leaf, the largest distance in ulps between the two paths' trees."""
+    assert optree.tree_structure(kernel) == optree.tree_structure(eager)
+    paths = optree.tree_paths(eager)
+    return {
+        f"{what} {path}": _ulps(a, b)
+        for path, a, b in zip(paths, optree.tree_leaves(kernel), optree.tree_leaves(eager))
+    }
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of ``x``'s dtype at each element's magnitude, in float64."""
+    info = torch.finfo(x.dtype)
+    wide = x.double()
+    spacing = torch.ldexp(torch.ones_like(wide), torch.frexp(wide).exponent - 1) * info.eps
+    return torch.where(wide == 0, info.smallest_normal * info.eps, spacing).clamp(min=info.smallest_normal * info.eps)
+
+
+def _param_ulps(kernel: torch.Tensor, eager: torch.Tensor, update: torch.Tensor) -> int:
+    """How far the kernel's new param is from the eager one, in ulps of the update, beyond the param's own rounding:
+    a param of ``p + u'`` where ``u'`` is ``n`` ulps off ``u`` is at most ``n`` ulps of ``u`` plus one of the param
+    away (0: bit for bit; a cancellation in ``p + u`` can make those many ulps of the param)."""
+    if _ulps(kernel, eager) == 0:
+        return 0
+    excess = (kernel.double() - eager.double()).abs() - _ulp(eager)
+    found = torch.ceil(excess.clamp(min=0) / _ulp(update)).clamp(min=1)
+    found = torch.where(kernel.view(_INTEGERS[kernel.dtype]) == eager.view(_INTEGERS[eager.dtype]), 0, found)
+    return int(torch.nan_to_num(found, nan=2.0**62, posinf=2.0**62).max())
+
+
+def _normwise_ulps(kernel: torch.Tensor, eager: torch.Tensor) -> int:
+    """The largest difference between two leaves in ulps of the eager leaf's largest magnitude."""
+    if eager.numel() == 0 or _ulps(kernel, eager) == 0:
+        return 0
+    scale = _ulp(eager.abs().max().reshape(1))
+    return int(torch.ceil((kernel.double() - eager.double()).abs().max() / scale))
+
+
+def _differences(tx, params, grads, state, kernel_runs: list[int] | None = None) -> dict[str, int]:
+    """The kernel's largest distance from the eager path, per leaf: its updates and its new state (run as ``update``
+    and as a step that applies the update) in ulps, its updates also in ulps of their largest magnitude ("norm"), its
+    new params in ulps of the update (``_param_ulps``)."""
+    updates, new_params, new_state = _eager(tx, params, grads, state)
+    kernel_updates, kernel_state = _kernel(tx, params, grads, state, False, kernel_runs)
+    kernel_params, applied_state = _kernel(tx, params, grads, state, True, kernel_runs)
+    found = _largest_ulps(kernel_updates, updates, "update")
+    found |= _largest_ulps(kernel_state, new_state, "state")
+    found |= _largest_ulps(applied_state, new_state, "state (applied)")
+    for name in params:
+        found[f"norm {name}"] = _normwise_ulps(kernel_updates[name], updates[name])
+        found[f"param {name}"] = _param_ulps(kernel_params[name], new_params[name], updates[name])
+    return found
+
+
+def _numpy_sqrt(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(numpy.sqrt(x.numpy()))  # the IEEE square root, as the kernel's
+
+
+@pytest.fixture
+def ieee_sqrt(monkeypatch):
+    """The eager path with the IEEE square root where torch's CPU one is MKL's (float32, float64: MKL's last bit
+    differs for about 1% of inputs), so that it computes as the kernel does; bfloat16's is ATen's IEEE one already."""
+    sqrt = EagerOps.sqrt
+    monkeypatch.setattr(
+        EagerOps, "sqrt", staticmethod(lambda x: sqrt(x) if x.dtype == torch.bfloat16 else _numpy_sqrt(x))
+    )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_three_steps_equal_the_eager_path_bit_for_bit(name, dtype, ieee_sqrt):
+    tx = PROGRAMS[name]()
+    params = _params(dtype)
+    state = tx.init(params)
+    runs: list[int] = []
+    for step in range(3):
+        grads = _grads(params, seed=step)
+        found = _differences(tx, params, grads, state, runs)
+        assert max(found.values()) == 0, f"step {step}: {found}"
+        _, params, state = _eager(tx, params, grads, state)
+    segment_count = len(segments(program_of(tx).expanded(tx.init(params))[0]))
+    assert runs == [len(params)] * (3 * 2 * segment_count)  # one launch per segment for all the leaves
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", [name for name in PROGRAMS if name in TAKE_SQUARE_ROOTS])
+def test_with_torchs_square_root_each_step_stays_within_the_bound(name, dtype):
+    """Against torch's own (MKL's) square root: the state bit for bit (no slot here depends on a square root), the
+    params within ``PARAM_ULPS`` ulps of the update beyond their own rounding, the updates within ``UPDATE_ULPS`` ulps
+    of their largest magnitude (element by element, weight decay cancelling Adam's direction can make a last-bit
+    difference in a square root many ulps of a small update). Each step starts both paths alike: the bound is per
+    step."""
+    tx = PROGRAMS[name]()
+    params = _params(dtype)
+    state = tx.init(params)
+    for step in range(3):
+        grads = _grads(params, seed=step)
+        found = _differences(tx, params, grads, state)
+        assert max(v for k, v in found.items() if k.startswith("state")) == 0, f"step {step}: {found}"
+        assert max(v for k, v in found.items() if k.startswith("param")) <= PARAM_ULPS, f"step {step}: {found}"
+        assert max(v for k, v in found.items() if k.startswith("norm")) <= UPDATE_ULPS, f"step {step}: {found}"
+        _, params, state = _eager(tx, params, grads, state)
+
+
+def test_torchs_square_root_does_differ_from_the_kernels():
+    """The bound above is met, not vacuous: a leaf of 20k elements meets about a percent of MKL's differences."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL: its CPU square root is the IEEE one, and the kernel equals it bit for bit")
+    tx = PROGRAMS["adam"]()
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64):
+        params = {"w": torch.randn(20_000, generator=gen, dtype=dtype)}
+        grads = {"w": torch.randn(20_000, generator=gen, dtype=dtype)}
+        found = _differences(tx, params, grads, tx.init(params))
+        assert found["update ('w',)"] > 0, found
+
+
+def _edge_grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Infinities, NaN, signed zeros, huge and tiny values among ordinary gradients."""
+    grads = _grads(params, seed=3)
+    edges = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 3e38, -3e38, 1e-40, -1e-45])
+    for g in grads.values():
+        flat = g.view(-1)
+        flat[: min(flat.numel(), edges.numel())] = edges[: flat.numel()].to(g.dtype)
+    return grads
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's NaN from inf - inf
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("name", ["adam-amsgrad", "lion", "clip", "momentum-nesterov"])
+def test_inf_nan_and_signed_zeros_equal_the_eager_path(name, dtype, ieee_sqrt):
+    """maximum, sign, clamp and the multiply-adds meet every special value as torch's ops do (NaNs equal NaNs)."""
+    tx = PROGRAMS[name]()
+    params = _params(dtype)
+    found = _differences(tx, params, _edge_grads(params), tx.init(params))
+    assert max(found.values()) == 0, found
+
+
+def test_kernels_are_written_under_fadam_cache_dir():
+    traced = trace(tuple(s.decl for s in program_of(PROGRAMS["lion"]()).stages), True)
+    dtypes = (torch.float32,) * len(traced.graph.inputs)
+    text, _ = _triton_kernel.source(traced, dtypes, True)
+    _triton_kernel.load(traced, dtypes)
+    written = list((cache_dir() / "triton").glob("fadam_*.py"))
+    assert text in [path.read_text() for path in written]
+
+
+def test_quantized_slots_and_other_dtypes_are_refused():
+    traced = trace(tuple(s.decl for s in program_of(PROGRAMS["adam"]()).stages), True)
+    dtypes = (torch.float32,) * len(traced.graph.inputs)
+    assert _triton_kernel.supports((None, None))
+    assert not _triton_kernel.supports((Quantized(8, 256, 0), None))
+    assert _triton_kernel.load(traced, dtypes, (Quantized(8, 256, 0), None)) is None
+    assert _triton_kernel.load(traced, (torch.float16,) * len(dtypes)) is None
+    assert _triton_kernel.load(traced, dtypes, (None, None)) is not None
+
+
+def test_a_leaf_scalar_count_that_does_not_match_the_leaves_is_refused():
+    tx = PROGRAMS["lamb"]()
+    program = program_of(tx)
+    traced = trace(tuple(s.decl for s in segments(program)[1].stages), True)
+    kernel = _triton_kernel.load(traced, (torch.float32,) * len(traced.graph.inputs))
+    row = [torch.ones(3), torch.ones(3), torch.empty(3)]
+    with pytest.raises(ValueError, match="scalars per leaf"):
+        kernel.run([row, row], [0.1] * len(traced.graph.scalars), [1.0] * len(traced.graph.leaf_scalars))
