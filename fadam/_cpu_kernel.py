@@ -188,19 +188,28 @@ def _operand_dtype(node: Node, dtypes: dict[int, torch.dtype | None]) -> torch.d
     return dtypes[node.index]
 
 
-def _argument(node: Node, position: int, names: dict[int, str], dtypes: dict, scalar_names: dict) -> str:
-    """How ``node`` reads its argument ``position``: a tensor value by its name, a number in ``node``'s C type,
-    rounded to bfloat16 first where ATen rounds it (``_ROUNDS_SCALARS``)."""
+def read_as(node: Node, position: int, dtypes: dict) -> tuple[torch.dtype | None, bool]:
+    """How ``node`` reads its argument ``position``, for every backend: the dtype a value is promoted to (``None``:
+    as it is) or a number is read in, and whether that number is rounded to bfloat16 first, where ATen rounds it
+    (``_ROUNDS_SCALARS``; only torch.add's alpha of add_scaled)."""
     arg = node.args[position]
     dtype = _operand_dtype(node, dtypes)
     if arg.elementwise:
         own = dtypes[arg.index]
-        if own in (None, torch.bool) or dtype is None or _COMPUTED_IN[own] == _COMPUTED_IN[dtype]:
+        same = own in (None, torch.bool) or dtype is None or _COMPUTED_IN[own] == _COMPUTED_IN[dtype]
+        return (None if same else dtype), False
+    rounds = dtype == torch.bfloat16 and node.op in _ROUNDS_SCALARS and not (node.op == "add_scaled" and position != 2)
+    return dtype, rounds
+
+
+def _argument(node: Node, position: int, names: dict[int, str], dtypes: dict, scalar_names: dict) -> str:
+    """How ``node`` reads its argument ``position`` in C++ (``read_as``)."""
+    arg = node.args[position]
+    dtype, rounds = read_as(node, position, dtypes)
+    if arg.elementwise:
+        if dtype is None:
             return names[arg.index]
         return f"static_cast<{_COMPUTED_IN[dtype]}>({names[arg.index]})"  # float32 promoted to float64: exact
-    rounds = dtype == torch.bfloat16 and node.op in _ROUNDS_SCALARS
-    if node.op == "add_scaled" and position != 2:
-        rounds = False
     ctype = _COMPUTED_IN[dtype]
     if arg.op == "const":
         text = _literal(arg.value, ctype)

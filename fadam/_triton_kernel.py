@@ -45,13 +45,13 @@ import torch
 
 from fadam._cpu_kernel import (
     _COMPUTED_IN,
-    _ROUNDS_SCALARS,
     KERNEL_DTYPES,
     Formats,
     _node_dtypes,
     _operand_dtype,
     _reachable,
     cache_dir,
+    read_as,
 )
 from fadam._program import Node, Traced
 
@@ -193,13 +193,11 @@ def _argument(node: Node, position: int, names: dict[int, str], types: dict, sca
     """How ``node`` reads its argument ``position``: a value by its name, promoted to ``node``'s computed type, or a
     number in that type (``fadam._cpu_kernel._argument``'s rules)."""
     arg = node.args[position]
-    dtype = _operand_dtype(node, types)
+    dtype, rounds = read_as(node, position, types)
     if arg.elementwise:
-        own = types[arg.index]
-        if own in (None, torch.bool) or dtype is None or _COMPUTED_IN[own] == _COMPUTED_IN[dtype]:
+        if dtype is None:
             return names[arg.index]
         return f"{names[arg.index]}.to({_TL[_COMPUTED_IN[dtype]]})"  # float32 promoted to float64: exact
-    rounds = dtype == torch.bfloat16 and node.op in _ROUNDS_SCALARS and not (node.op == "add_scaled" and position != 2)
     return scalars.name(arg, _COMPUTED_IN[dtype], rounds)
 
 
