@@ -23,10 +23,12 @@ from tests.conformance.table import ALL_ROWS
 from tests.test_purity import FACTORIES, HANDLE_STATE, REAL_ONLY, _params
 from tests.tree_checks import max_rel_err, tensor_leaves
 
+# branches on the loss's values (line search, stopping tests): refused under torch.func, checked below
+VALUE_BRANCHING = {"lbfgs"}
 TRANSFORMS = [
     pytest.param(builder, name not in REAL_ONLY, id=f"{name}-{index}")
     for name, builders in FACTORIES.items()
-    if name not in HANDLE_STATE
+    if name not in HANDLE_STATE and name not in VALUE_BRANCHING
     for index, builder in enumerate(builders)
 ] + [pytest.param(row.build, row.complex_params, id=f"row-{row.name}") for row in ALL_ROWS if row.value_state]
 HANDLE_TRANSFORMS = [
@@ -35,6 +37,21 @@ HANDLE_TRANSFORMS = [
     if name in HANDLE_STATE
     for index, builder in enumerate(builders)
 ] + [pytest.param(row.build, id=f"row-{row.name}") for row in ALL_ROWS if not row.value_state]
+
+
+def test_lbfgs_refuses_torch_func_clearly():
+    tx = fadam.lbfgs(max_iter=2)
+    params = _double(_params(complex_leaf=False))
+    stacked = fadam.tree_map(lambda p: torch.stack([p, p]), params)
+
+    def value_fn(p: Any) -> tuple[torch.Tensor, Any]:  # half the squared norm: its gradient is p
+        return sum((leaf * leaf).sum() for leaf in fadam._tree.tree_leaves(p)) / 2, p
+
+    def member_update(g: Any, state: Any, p: Any) -> tuple[Any, Any]:
+        return tx.update(g, state, p, value=value_fn(p)[0], value_fn=value_fn)
+
+    with pytest.raises(ValueError, match=r"lbfgs cannot run under torch\.func"):
+        vmap(member_update)(stacked, vmap(tx.init)(stacked), stacked)
 
 
 @pytest.mark.parametrize("build", HANDLE_TRANSFORMS)

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch._C import _functorch
 
 from fadam._base import GradientTransformation, ScalarOrSchedule
 from fadam._numerics import safe_increment, zero_count
@@ -335,6 +336,11 @@ def lbfgs(
             raise ValueError(
                 "lbfgs needs the loss at params and the loss closure: update(grads, state, params, value=loss, "
                 "value_fn=f) with f(params) -> (loss, grads)"
+            )
+        if _functorch.maybe_current_level() is not None:
+            raise ValueError(
+                "lbfgs cannot run under torch.func (vmap, grad): its line search and stopping tests branch on the "
+                "loss's values; run it outside the transform"
             )
         leaves, spec = tree_flatten(params)
         order = _given_order(params)
