@@ -55,7 +55,9 @@ from fadam.aliases import (
 from fadam.bridge import Optimizer, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
+from fadam.combinators._lookahead import LookaheadParams, LookaheadState, lookahead
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.combinators._sam import SAMState, normalize, sam
 from fadam.combinators._wrappers import (
     ApplyIfFiniteState,
     MultiSteps,
@@ -119,8 +121,10 @@ from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_de
 from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
 from fadam.transforms._lbfgs import LbfgsState, lbfgs
 from fadam.transforms._lion import ScaleByLionState, scale_by_lion
+from fadam.transforms._mars import ScaleByMarsState, mars, scale_by_mars
 from fadam.transforms._momentum import EmaState, TraceState, ema, trace
 from fadam.transforms._muon import ScaleByMuonState, scale_by_muon
+from fadam.transforms._prodigy import ProdigyState, prodigy
 from fadam.transforms._rms import (
     ScaleByRmsState,
     ScaleByRssState,
@@ -154,13 +158,17 @@ torch.serialization.add_safe_globals(
         FactoredState,
         InjectHyperparamsState,
         LbfgsState,
+        LookaheadParams,
+        LookaheadState,
         MaskedNode,
         MaskedState,
         MultiStepsState,
         PagedState,
         PartitionState,
+        ProdigyState,
         QuantizedArray,
         QuantizedState,
+        SAMState,
         ScaleByAdadeltaState,
         ScaleByAdafactorTorchState,
         ScaleByAdamState,
@@ -171,6 +179,7 @@ torch.serialization.add_safe_globals(
         ScaleByAsgdState,
         ScaleByBeliefState,
         ScaleByLionState,
+        ScaleByMarsState,
         ScaleByMuonState,
         ScaleByNadamState,
         ScaleByRStdDevState,
@@ -201,6 +210,8 @@ __all__ = [
     "GradientTransformationExtraArgs",
     "InjectHyperparamsState",
     "LbfgsState",
+    "LookaheadParams",
+    "LookaheadState",
     "MaskedNode",
     "MaskedState",
     "MetaOptimizer",
@@ -211,8 +222,10 @@ __all__ = [
     "PagedState",
     "PagedStateFileError",
     "PartitionState",
+    "ProdigyState",
     "QuantizedArray",
     "QuantizedState",
+    "SAMState",
     "ScalarOrSchedule",
     "ScaleByAdadeltaState",
     "ScaleByAdafactorTorchState",
@@ -224,6 +237,7 @@ __all__ = [
     "ScaleByAsgdState",
     "ScaleByBeliefState",
     "ScaleByLionState",
+    "ScaleByMarsState",
     "ScaleByMuonState",
     "ScaleByNadamState",
     "ScaleByRStdDevState",
@@ -280,13 +294,16 @@ __all__ = [
     "linear_schedule",
     "lion",
     "lion8bit",
+    "lookahead",
     "masked",
+    "mars",
     "muon",
     "muon_labels",
     "muon_with_adamw",
     "nadam",
     "nadamw",
     "named_chain",
+    "normalize",
     "page_state",
     "paged_adam",
     "paged_adam8bit",
@@ -297,10 +314,12 @@ __all__ = [
     "piecewise_interpolate_schedule",
     "pmap",
     "polynomial_schedule",
+    "prodigy",
     "quantize_state",
     "radam",
     "rmsprop",
     "rprop",
+    "sam",
     "scale",
     "scale_by_adadelta",
     "scale_by_adafactor_torch",
@@ -313,6 +332,7 @@ __all__ = [
     "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_mars",
     "scale_by_muon",
     "scale_by_nadam",
     "scale_by_param_block_rms",

@@ -1,0 +1,217 @@
+"""Prodigy: ``prodigy``, Adam whose step size ``d`` is estimated from the distance travelled (D-Adaptation), as
+``prodigyopt.Prodigy`` with one param group."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from fadam._base import GradientTransformation, ScalarOrSchedule
+from fadam._dispatch import real_view
+from fadam._numerics import safe_increment, zero_count
+from fadam._tree import PyTree, check_leaves, check_params, tree_map
+from fadam.transforms._validation import check_state, check_unit_interval, known_value
+
+
+class ProdigyState(NamedTuple):
+    count: torch.Tensor  # 0-d int32: steps that moved the params (prodigyopt's ``k``)
+    d: torch.Tensor  # 0-d float64: the step size estimate
+    d_max: torch.Tensor  # 0-d float64: the largest estimate so far
+    d_numerator: torch.Tensor  # 0-d float64: the running sum of weighted <g, p0 - p>
+    s: PyTree  # running sum of weighted gradients, shaped like params
+    p0: PyTree  # the params at init
+    exp_avg: PyTree  # first moment (scaled by d)
+    exp_avg_sq: PyTree  # second moment (scaled by d^2)
+
+
+def _float64(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def _complex_like(x: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``x``, computed on ``real_view(leaf)``, in ``leaf``'s layout (complex again for a complex leaf)."""
+    return torch.view_as_complex(x) if leaf.is_complex() else x
+
+
+def prodigy(
+    lr: ScalarOrSchedule = 1.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    beta3: float | None = None,
+    weight_decay: float = 0.0,
+    decouple: bool = True,
+    use_bias_correction: bool = False,
+    safeguard_warmup: bool = False,
+    d0: float = 1e-6,
+    d_coef: float = 1.0,
+    growth_rate: float = math.inf,
+    eps: float = 1e-8,
+) -> GradientTransformation:
+    r"""Prodigy: Adam with a learned step size :math:`d`, exactly as ``prodigyopt.Prodigy`` (one param group).
+
+    With :math:`\gamma` the ``lr``, :math:`\eta_t = d_t \gamma\, c_t` (:math:`c_t = \sqrt{1-\beta_2^{t}}/(1-\beta_1^t)`
+    with ``use_bias_correction``, else 1) and :math:`\beta_3 = \sqrt{\beta_2}` unless given, each step computes, over
+    all leaves at once,
+
+    .. math::
+        r_t = \beta_3 r_{t-1} + \frac{d_t}{d_0} \eta_t \langle g_t, x_0 - x_t \rangle,\quad
+        s_t = \beta_3 s_{t-1} + \frac{d_t}{d_0} \eta_t\, g_t,\quad
+        \hat d_{t} = \kappa \frac{r_t}{\|s_t\|_1},\\
+        d_{t+1} = \min\left(\max(d^{\max}_{t}, \hat d_t),\ \rho\, d'_t\right),\quad
+        d'_t = \max(d_t, \hat d_t) \text{ while } d_t = d_0 \text{ (else } d_t),\\
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) d_t g_t,\quad v_t = \beta_2 v_{t-1} + (1-\beta_2) d_t^2 g_t^2,\quad
+        u_t = -\eta_t \left(\frac{m_t}{\sqrt{v_t} + d_{t+1}\epsilon} + \lambda x_t\right)
+
+    where :math:`\kappa` is ``d_coef``, :math:`\rho` ``growth_rate``, :math:`d^{\max}` the running maximum of
+    :math:`\hat d` (from :math:`d_0`) and :math:`\lambda` the decoupled ``weight_decay`` (with ``decouple=False`` it is
+    added to the gradient instead, before everything above). With ``safeguard_warmup`` the :math:`s` increment is
+    :math:`(d_t/d_0)\, d_t\, g_t` (no lr). With :math:`\beta_1 = 0` there is no first moment and the numerator is
+    :math:`d_{t+1} g_t`. Sums run over every element of every leaf (complex leaves as pairs of reals), in float64.
+    A step where :math:`\|s_t\|_1 = 0` (no nonzero gradient yet) moves nothing and leaves :math:`d` and the count
+    alone, as does a step with a learning rate of 0; a ``None`` gradient leaves its leaf out of the step and the sums.
+
+    The update needs ``params`` and is written with torch ops on the whole tree (the sums make it one step over all
+    leaves, not an elementwise body), with no host reads: it runs under ``torch.func.vmap``, ``grad`` and
+    ``torch.compile``.
+
+    Args:
+        lr: :math:`\gamma`, which multiplies the estimate (leave it at 1): a number or a schedule of the count.
+        betas: decays of the first and second moments.
+        beta3: decay of the running sums :math:`r` and :math:`s` (default :math:`\sqrt{\beta_2}`).
+        weight_decay: :math:`\lambda`.
+        decouple: AdamW-style decoupled decay (scaled by :math:`\eta_t`) rather than an L2 term in the gradient.
+        use_bias_correction: Adam's bias correction in :math:`\eta_t`.
+        safeguard_warmup: leave the lr out of the :math:`s` increment (for warmup schedules).
+        d0: the initial estimate :math:`d_0`.
+        d_coef: :math:`\kappa`, the multiplier of the estimate.
+        growth_rate: :math:`\rho`, the largest factor by which :math:`d` may grow in one step.
+        eps: added to the denominator, times :math:`d_{t+1}`.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.prodigy()
+        >>> params = [torch.tensor([1.0, -2.0])]
+        >>> state = tx.init(params)
+        >>> for _ in range(3):
+        ...     updates, state = tx.update([2 * params[0]], state, params)
+        ...     params = fadam.apply_updates(params, updates)
+        >>> [f"{float(d):.3g}" for d in (state.d, state.d_max)]  # d grows from d0 = 1e-6 once the params move
+        ['4.9e-06', '4.9e-06']
+
+    References:
+        Mishchenko & Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free Learner", ICML 2024.
+        The ``prodigyopt`` package's ``Prodigy`` (1.1.2), whose semantics these are.
+    """
+    if not callable(lr) and not known_value(lr, 1.0, "lr") > 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+    if beta3 is not None:
+        check_unit_interval("beta3", beta3)
+    if not d0 > 0.0:
+        raise ValueError(f"Invalid d0 value: {d0}")
+    if not eps > 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not growth_rate >= 1.0:
+        raise ValueError(f"Invalid growth_rate: {growth_rate} (expected >= 1)")
+    b1, b2 = betas
+    b3 = math.sqrt(b2) if beta3 is None else beta3
+
+    def init(params: PyTree) -> ProdigyState:
+        check_params(params)
+
+        def zeros(p: torch.Tensor | None) -> torch.Tensor | None:
+            return None if p is None else torch.zeros_like(p)
+
+        clone = tree_map(lambda p: None if p is None else p.detach().clone(), params)
+        exp_avg = tree_map(zeros, params) if b1 > 0 else tree_map(lambda p: None, params)
+        scalars = (_float64(d0), _float64(d0), _float64(0.0))
+        return ProdigyState(zero_count(), *scalars, tree_map(zeros, params), clone, exp_avg, tree_map(zeros, params))
+
+    def update(
+        updates: PyTree, state: ProdigyState, params: PyTree | None = None, **_: Any
+    ) -> tuple[PyTree, ProdigyState]:
+        check_state(state, ProdigyState, "prodigy")
+        if params is None:
+            raise ValueError("prodigy needs params: call update(updates, state, params)")
+        grads, param_leaves, spec = check_leaves(updates, params)
+        s_leaves, p0_leaves, m_leaves, v_leaves = (
+            spec.flatten_up_to(tree) for tree in (state.s, state.p0, state.exp_avg, state.exp_avg_sq)
+        )
+        count, d = state.count, state.d
+        rate = torch.as_tensor(lr(count) if callable(lr) else lr, dtype=torch.float64)
+        steps = count.to(torch.float64) + 1
+        correction = (1 - b2**steps) ** 0.5 / (1 - b1**steps) if use_bias_correction else 1.0
+        dlr = d * rate * correction
+        scale = d / d0 * dlr  # prodigyopt weighs by d / d0 to keep the sums away from tiny values
+        s_scale = d / d0 * d if safeguard_warmup else scale
+
+        delta_numerator = _float64(0.0)
+        d_denom = _float64(0.0)
+        rows = []  # per leaf: the real views of g, p and the new s, m, v
+        for g, p, s, p0, m, v in zip(grads, param_leaves, s_leaves, p0_leaves, m_leaves, v_leaves):
+            if g is None:
+                rows.append(None)
+                continue
+            g_r, p_r = real_view(g), real_view(p)
+            if weight_decay != 0 and not decouple:
+                g_r = g_r + weight_decay * p_r
+            dot = torch.dot(g_r.reshape(-1), (real_view(p0) - p_r).reshape(-1))
+            delta_numerator = delta_numerator + scale * dot.to(torch.float64)
+            new_m = None if m is None else real_view(m) * b1 + g_r * (d * (1 - b1))
+            new_v = real_view(v) * b2 + g_r * g_r * (d * d * (1 - b2))
+            new_s = real_view(s) * b3 + g_r * s_scale
+            d_denom = d_denom + new_s.abs().sum(dtype=torch.float64)
+            rows.append((g_r, p_r, new_s, new_m, new_v))
+
+        # prodigyopt returns before changing d and the count when no sum has grown (no gradient, or lr 0), and takes
+        # no moment or sum of a step with lr 0
+        moved = d_denom > 0
+        numerator = state.d_numerator * b3 + delta_numerator
+        d_hat = d_coef * numerator / torch.where(moved, d_denom, 1.0)
+        d_new = torch.where(d == d0, torch.maximum(d, d_hat), d)
+        d_max = torch.maximum(state.d_max, d_hat)
+        d_new = torch.minimum(d_max, d_new * growth_rate)
+        active = rate > 0
+        moved = moved & active
+
+        new_updates, new_s, new_m, new_v = [], [], [], []
+        for row, g, s, m, v in zip(rows, grads, s_leaves, m_leaves, v_leaves):
+            if row is None:
+                new_updates.append(None)
+                new_s.append(s)
+                new_m.append(m)
+                new_v.append(v)
+                continue
+            g_r, p_r, s_r, m_r, v_r = row
+            denom = torch.sqrt(v_r) + d_new * eps
+            step = m_r / denom * dlr if m_r is not None else g_r / denom * (dlr * d_new)
+            if weight_decay != 0 and decouple:
+                # the params prodigyopt writes (decayed, then stepped), less the params: the subtraction is exact
+                # where the step is small against the params, so they are its params to the bit there
+                u = p_r + p_r * (-weight_decay * dlr) - step - p_r
+            else:
+                u = -step
+            u = torch.where(moved, u, 0.0).to(g_r.dtype)
+            new_updates.append(_complex_like(u, g))
+            new_s.append(_complex_like(torch.where(active, s_r, real_view(s)), s))
+            new_m.append(None if m is None else _complex_like(torch.where(active, m_r, real_view(m)), m))
+            new_v.append(_complex_like(torch.where(active, v_r, real_view(v)), v))
+
+        new_state = ProdigyState(
+            torch.where(moved, safe_increment(count), count),
+            torch.where(moved, d_new, d),
+            torch.where(moved, d_max, state.d_max),
+            torch.where(moved, numerator, state.d_numerator),
+            spec.unflatten(new_s),
+            state.p0,
+            spec.unflatten(new_m),
+            spec.unflatten(new_v),
+        )
+        return spec.unflatten(new_updates), new_state
+
+    return GradientTransformation(init, update)
