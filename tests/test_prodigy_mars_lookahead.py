@@ -111,6 +111,21 @@ def test_prodigy_under_vmap_equals_separate_runs():
     assert float((state.d[0] - state.d[1]).abs()) > 0
 
 
+def test_prodigy_without_first_moment_keeps_none_and_runs_under_vmap():
+    tx = fadam.prodigy(betas=(0.0, 0.99), d0=1e-3)
+    start = torch.stack([_f64([1.0, -2.0]), _f64([0.5, 0.5])])
+    params, state = start, vmap(tx.init)(start)
+    assert state.exp_avg == ()
+    for _ in range(5):
+        updates, state = vmap(tx.update)(params - 0.3, state, params)
+        params = fadam.apply_updates(params, updates)
+    p, s = start[1], tx.init(start[1])
+    for _ in range(5):
+        u, s = tx.update(p - 0.3, s, p)
+        p = fadam.apply_updates(p, u)
+    torch.testing.assert_close(params[1], p, rtol=1e-13, atol=1e-15)
+
+
 def test_prodigy_arguments_are_checked():
     with pytest.raises(ValueError, match="d0"):
         fadam.prodigy(d0=0.0)
@@ -336,6 +351,14 @@ def test_sam_follows_the_papers_two_step_update():
             params = fadam.apply_updates(params, updates)
         for got, want in zip(params, theta):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_normalize_divides_by_the_global_norm_and_keeps_zero_gradients_zero():
+    tx = fadam.normalize()
+    updates, _ = tx.update([_f64([3.0]), _f64([[0.0, 4.0]])], tx.init(None))
+    assert updates[0].tolist() == [0.6] and updates[1].tolist() == [[0.0, 0.8]]
+    zeros, _ = tx.update([torch.zeros(2, dtype=torch.float64)], tx.init(None))
+    assert torch.equal(zeros[0], torch.zeros(2, dtype=torch.float64))  # optax's gives NaN
 
 
 def test_sam_with_sync_period_1_is_the_outer_optimizer():

@@ -194,7 +194,38 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
         lambda: fadam.schedule_free_adamw(_half_lr, warmup_steps=2, weight_decay=0.1),
     ],
     "schedule_free_sgd": [lambda: fadam.schedule_free_sgd(0.1, warmup_steps=3, weight_decay=0.01, r=0.5)],
+    "prodigy": [
+        lambda: fadam.prodigy(d0=1e-3),
+        lambda: fadam.prodigy(betas=(0.0, 0.99), weight_decay=0.1, decouple=False, use_bias_correction=True),
+    ],
+    "mars": [lambda: fadam.mars(1e-2, weight_decay=0.1), lambda: fadam.mars(_half_lr, amsgrad=True, optimize_1d=True)],
+    "scale_by_mars": [fadam.scale_by_mars, lambda: fadam.scale_by_mars(gamma=0.5, max_norm=0.1)],
+    "normalize": [fadam.normalize],
+    "sam": [
+        lambda: fadam.sam(fadam.sgd(1e-2), fadam.chain(fadam.normalize(), fadam.sgd(0.05))),
+        lambda: fadam.sam(fadam.adam(1e-2), fadam.sgd(0.1), sync_period=3, reset_state=False),
+    ],
 }
+
+
+def _lookahead_on(fast: Any, slow_of: Callable[[Any], Any]) -> fadam.GradientTransformation:
+    """fadam.lookahead stepping the given params as its fast params, the slow ones ``slow_of(params)``: its updates
+    of the fast params are returned (the purity check sees every input to lookahead's update but the slow params)."""
+    tx = fadam.lookahead(fast, sync_period=2, slow_step_size=0.5)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        both, state = tx.update(updates, state, fadam.LookaheadParams(params, slow_of(params)), **extra)
+        return both.fast, state
+
+    return fadam.GradientTransformation(tx.init, update)
+
+
+FACTORIES["lookahead"] = [
+    lambda: _lookahead_on(
+        fadam.adam(1e-2), lambda params: fadam.tree_map(lambda p: None if p is None else p * 0.5, params)
+    ),
+    lambda: _lookahead_on(fadam.sgd(_half_lr, momentum=0.9), lambda params: params),
+]
 
 
 def _lbfgs_with_value_fn(**options: Any) -> fadam.GradientTransformation:

@@ -19,7 +19,8 @@ from fadam.transforms._validation import check_state
 def normalize() -> GradientTransformation:
     r"""Divides the updates by their global L2 norm: :math:`u = g / \|g\|_2` (SAM's adversarial direction).
 
-    The norm runs over every leaf (complex leaves by modulus); a zero gradient gives NaN, as optax's.
+    The norm runs over every leaf (complex leaves by modulus). Gradients that are all zero stay zero (no ascent),
+    where optax's ``normalize`` gives NaN.
 
     Example:
         >>> import torch, fadam
@@ -31,7 +32,8 @@ def normalize() -> GradientTransformation:
     """
 
     def reduce(updates: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        return {"norm": tree_global_norm(updates)}
+        norm = tree_global_norm(updates)
+        return {"norm": torch.where(norm > 0, norm, 1.0)}
 
     def body(o: Any, s: Any, g: Any, p: Any) -> tuple:
         return (g / s.norm,)

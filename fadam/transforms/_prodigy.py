@@ -22,7 +22,7 @@ class ProdigyState(NamedTuple):
     d_numerator: torch.Tensor  # 0-d float64: the running sum of weighted <g, p0 - p>
     s: PyTree  # running sum of weighted gradients, shaped like params
     p0: PyTree  # the params at init
-    exp_avg: PyTree  # first moment (scaled by d)
+    exp_avg: PyTree  # first moment (scaled by d); () with betas[0] == 0, which keeps none
     exp_avg_sq: PyTree  # second moment (scaled by d^2)
 
 
@@ -33,6 +33,11 @@ def _float64(value: float) -> torch.Tensor:
 def _complex_like(x: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     """``x``, computed on ``real_view(leaf)``, in ``leaf``'s layout (complex again for a complex leaf)."""
     return torch.view_as_complex(x) if leaf.is_complex() else x
+
+
+def _kept(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` (a real view) where ``active`` else ``old``, in ``old``'s dtype and layout."""
+    return _complex_like(torch.where(active, new, real_view(old)).to(real_view(old).dtype), old)
 
 
 def prodigy(
@@ -128,7 +133,7 @@ def prodigy(
             return None if p is None else torch.zeros_like(p)
 
         clone = tree_map(lambda p: None if p is None else p.detach().clone(), params)
-        exp_avg = tree_map(zeros, params) if b1 > 0 else tree_map(lambda p: None, params)
+        exp_avg = tree_map(zeros, params) if b1 > 0 else ()
         scalars = (_float64(d0), _float64(d0), _float64(0.0))
         return ProdigyState(zero_count(), *scalars, tree_map(zeros, params), clone, exp_avg, tree_map(zeros, params))
 
@@ -139,9 +144,8 @@ def prodigy(
         if params is None:
             raise ValueError("prodigy needs params: call update(updates, state, params)")
         grads, param_leaves, spec = check_leaves(updates, params)
-        s_leaves, p0_leaves, m_leaves, v_leaves = (
-            spec.flatten_up_to(tree) for tree in (state.s, state.p0, state.exp_avg, state.exp_avg_sq)
-        )
+        s_leaves, p0_leaves, v_leaves = (spec.flatten_up_to(tree) for tree in (state.s, state.p0, state.exp_avg_sq))
+        m_leaves = spec.flatten_up_to(state.exp_avg) if b1 > 0 else [None] * len(grads)
         count, d = state.count, state.d
         rate = torch.as_tensor(lr(count) if callable(lr) else lr, dtype=torch.float64)
         steps = count.to(torch.float64) + 1
@@ -196,11 +200,12 @@ def prodigy(
                 u = p_r + p_r * (-weight_decay * dlr) - step - p_r
             else:
                 u = -step
+            # cast back: a 0-d leaf would be promoted to float64 by the 0-d float64 scalars
             u = torch.where(moved, u, 0.0).to(g_r.dtype)
             new_updates.append(_complex_like(u, g))
-            new_s.append(_complex_like(torch.where(active, s_r, real_view(s)), s))
-            new_m.append(None if m is None else _complex_like(torch.where(active, m_r, real_view(m)), m))
-            new_v.append(_complex_like(torch.where(active, v_r, real_view(v)), v))
+            new_s.append(_kept(active, s_r, s))
+            new_m.append(None if m is None else _kept(active, m_r, m))
+            new_v.append(_kept(active, v_r, v))
 
         new_state = ProdigyState(
             torch.where(moved, safe_increment(count), count),
@@ -209,7 +214,7 @@ def prodigy(
             torch.where(moved, numerator, state.d_numerator),
             spec.unflatten(new_s),
             state.p0,
-            spec.unflatten(new_m),
+            spec.unflatten(new_m) if b1 > 0 else (),
             spec.unflatten(new_v),
         )
         return spec.unflatten(new_updates), new_state
