@@ -337,13 +337,9 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
 
     def load(k: int, node: Node, name: str) -> list[str]:
         slot = k - first_slot
-        if slot in quantized:
+        if slot in quantized:  # the block's table offset and scale (o, w) are read before the loop
             code = f"c{slot}[at]" if quantized[slot].bits == 8 else f"u{slot}[j]"
-            return [
-                f"const float {name}_scale = d{slot}[j];",
-                f"const float {name} = m{slot}[{code} + ({name}_scale < 0.0f ? {INFINITE} : 0)] * "
-                f"std::fabs({name}_scale);",
-            ]
+            return [f"const float {name} = m{slot}[{code} + o{slot}] * w{slot};"]
         value = f"fadam_from_bf16(in{k}[at])" if dtypes[k] == torch.bfloat16 else f"in{k}[at]"
         return [f"const {ctype(node)} {name} = {value};"]
 
@@ -359,7 +355,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         text = _expression(node, args, types)
         return f"fadam_round_bf16({text})" if types[node.index] == torch.bfloat16 else text
 
-    loops: list[str] = [_unpack_blocks(k, q) for k, q in quantized.items()]
+    loops: list[str] = [_unpack_blocks(k, q) for k, q in quantized.items() if q.bits == 4]
     for current in range(passes):
         names: dict[int, str] = {}
         lines: list[str] = []
@@ -380,13 +376,12 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
                 lines.extend(store(k, node, name) for k in output_of[index])
         lines += [f"a{r.index}[j] = {names[r.args[0].index]};" for r in roots if phase[r.index] == current + 1]
         body = "\n        ".join(lines)
-        loops.append(
-            f"""#pragma omp simd
-      for (int64_t j = 0; j < count; ++j) {{
+        loop = f"""#pragma omp simd
+      for (int64_t j = {"b0" if quantized else "0"}; j < {"stop" if quantized else "count"}; ++j) {{
         const int64_t at = start + j;
         {body}
       }}"""
-        )
+        loops.append(_block_loop(loop, quantized, INFINITE) if quantized else loop)
         for root in roots:
             if phase[root.index] == current + 1:
                 function = "sqrt_double" if types[root.index] == torch.float64 else "sqrt_float"
@@ -428,7 +423,10 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     map_pointers = [(offsets[first_slot + k] + 2, offsets[n_in + k] + 2, q.map_id) for k, q in quantized.items()]
     scratch = [f"{ctype(n)} b{n.index}[{span}];" for n in buffered]
     scratch += [f"{ctype(r)} a{r.index}[{span}], r{r.index}[{span}];" for r in roots]
-    scratch += [f"float q{k}[{span}], d{k}[{span}]; uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" for k in quantized]
+    scratch += [
+        f"float q{k}[{span}];" + (f" uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" if q.bits == 4 else "")
+        for k, q in quantized.items()
+    ]
     per_leaf = len(graph.leaf_scalars)
     declared = [(op, line.replace("PER_LEAF", str(per_leaf))) for op, line in scalar_names.declarations()]
     step_scalars = [line for op, line in declared if op == "scalar"]
@@ -495,58 +493,103 @@ def _write_maps(map_pointers: list[tuple[int, int, int]], width: int) -> str:
     return f"for (int64_t leaf = 0; leaf < leaves; ++leaf) {{ {writes} }}" if map_pointers else ""
 
 
+def _block_loop(loop: str, quantized: dict[int, Quantized], infinite: int) -> str:
+    """``loop`` (an element loop from ``b0`` to ``stop``) run block by block over a pass: before each block, every
+    quantized slot's block scale is read once into ``w`` (its magnitude) and ``o`` (the offset of the map's values
+    for a block holding an infinity, where the scale is negative), so the loop decodes with one table read per
+    element and no per-element select."""
+    block = next(iter(quantized.values())).block
+    reads = "\n        ".join(
+        f"const float scale{k} = a{k}[(start + b0) / {block}];\n        "
+        f"const int32_t o{k} = scale{k} < 0.0f ? {infinite} : 0;\n        "
+        f"const float w{k} = std::fabs(scale{k});"
+        for k in quantized
+    )
+    return f"""for (int64_t b0 = 0; b0 < count; b0 += {block}) {{
+        const int64_t stop = std::min<int64_t>(b0 + {block}, count);
+        {reads}
+      {loop}
+      }}"""
+
+
 def _unpack_blocks(k: int, q: Quantized) -> str:
-    """The loop that spreads slot ``k``'s block scales of a pass over its elements (``d``), and at 4 bits its codes
-    one per byte (``u``): the element loops then read both at unit stride, which the compiler vectorizes."""
-    unpack = (
-        ""
-        if q.bits == 8
-        else f"""
-      for (int64_t j = 0; j < (count + 1) / 2; ++j) {{
+    """At 4 bits, the loop that spreads slot ``k``'s codes of a pass one per byte (``u``): the element loops then
+    read them at unit stride, which the compiler vectorizes (8-bit codes are read in place)."""
+    if q.bits == 8:
+        return ""
+    return f"""for (int64_t j = 0; j < (count + 1) / 2; ++j) {{
         const uint8_t byte = c{k}[start / 2 + j];
         u{k}[2 * j] = byte & 15;
         u{k}[2 * j + 1] = byte >> 4;
       }}"""
-    )
-    return f"""for (int64_t b0 = 0; b0 < count; b0 += {q.block}) {{
-        std::fill(d{k} + b0, d{k} + std::min<int64_t>(b0 + {q.block}, count), a{k}[(start + b0) / {q.block}]);
-      }}{unpack}"""
 
 
 def _encode_blocks(k: int, q: Quantized) -> str:
     """The loop that quantizes slot ``k``'s new values of a pass, block by block, as ``quantize_blockwise`` does:
     the block's scale (its largest finite magnitude, negated with a floor of 2**-126 where it holds an infinity),
     then each element's code for ``x * (1 / scale)`` (times the map's top below 1 in a block holding an infinity),
-    NaN as 0, clamped to [-1, 1]; 4-bit codes two per byte, a ragged block padded with the code of 0."""
-    if q.bits == 8:
-        write = f"std::copy(e{k}, e{k} + length, oc{k} + start + b0);"
-    else:
-        write = (
-            f"if (length & 1) e{k}[length] = fadam_encode{q.map_id}(0.0f);\n"
-            f"        for (int64_t j = 0; j < (length + 1) / 2; ++j) "
-            f"oc{k}[(start + b0) / 2 + j] = static_cast<uint8_t>(e{k}[2 * j] | (e{k}[2 * j + 1] << 4));"
-        )
+    NaN as 0, clamped to [-1, 1]; 4-bit codes two per byte, a ragged block padded with the code of 0.
+
+    The common block takes a short path with the same results: its largest magnitude is found as the largest bit
+    pattern of the magnitudes (integers order non-negative floats as the floats do; a NaN or an infinity lies above
+    every finite pattern), and where that is finite and ``1 / scale`` too, no ``x * (1 / scale)`` is NaN or infinite,
+    so the clamp to [-1, 1] is an integer minimum of the magnitude's pattern with that of 1.0. Blocks holding a NaN
+    or an infinity, or with a subnormal scale, take the general loops."""
+    codes = f"oc{k} + start + b0" if q.bits == 8 else f"e{k}"
+    write = (
+        ""
+        if q.bits == 8
+        else f"""
+        if (length & 1) e{k}[length] = fadam_encode{q.map_id}(0.0f);
+        for (int64_t j = 0; j < (length + 1) / 2; ++j) {{
+          oc{k}[(start + b0) / 2 + j] = static_cast<uint8_t>(e{k}[2 * j] | (e{k}[2 * j + 1] << 4));
+        }}"""
+    )
     return f"""for (int64_t b0 = 0; b0 < count; b0 += {q.block}) {{
         const int64_t length = std::min<int64_t>({q.block}, count - b0);
+        const float* values = q{k} + b0;
+        uint8_t* codes = {codes};
+        uint32_t top = 0;
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < length; ++j) {{
+          uint32_t bits;
+          std::memcpy(&bits, values + j, 4);
+          bits &= 0x7FFFFFFFu;
+          top = top < bits ? bits : top;
+        }}
         float finite = 0.0f;
         int infinite = 0;
-#pragma omp simd reduction(max : finite) reduction(| : infinite)
-        for (int64_t j = 0; j < length; ++j) {{
-          const float magnitude = std::fabs(q{k}[b0 + j]);
-          finite = std::isfinite(magnitude) && finite < magnitude ? magnitude : finite;
-          infinite |= magnitude == INFINITY;
+        if (top < 0x7F800000u) {{
+          std::memcpy(&finite, &top, 4);
+        }} else {{
+          for (int64_t j = 0; j < length; ++j) {{
+            const float magnitude = std::fabs(values[j]);
+            finite = std::isfinite(magnitude) && finite < magnitude ? magnitude : finite;
+            infinite |= magnitude == INFINITY;
+          }}
         }}
         const float absmax = infinite ? -(finite < FLT_MIN ? FLT_MIN : finite) : finite;
         const float scale = std::fabs(absmax);
         float inverse = 1.0f / (scale > 0.0f ? scale : 1.0f);
         if (absmax < 0.0f) inverse = inverse * {_literal(_finite_top(q.map_id), "float")};
+        if (top < 0x7F800000u && inverse <= FLT_MAX) {{
 #pragma omp simd
-        for (int64_t j = 0; j < length; ++j) {{
-          const float y = q{k}[b0 + j] * inverse;
-          const float unit = y != y ? 0.0f : (y < -1.0f ? -1.0f : (1.0f < y ? 1.0f : y));
-          e{k}[j] = static_cast<uint8_t>(fadam_encode{q.map_id}(unit));
-        }}
-        {write}
+          for (int64_t j = 0; j < length; ++j) {{
+            const float y = values[j] * inverse;
+            uint32_t bits;
+            std::memcpy(&bits, &y, 4);
+            const uint32_t magnitude = bits & 0x7FFFFFFFu;
+            const uint32_t unit = magnitude < 0x3F800000u ? magnitude : 0x3F800000u;
+            codes[j] = static_cast<uint8_t>(fadam_code{q.map_id}(bits, unit));
+          }}
+        }} else {{
+#pragma omp simd
+          for (int64_t j = 0; j < length; ++j) {{
+            const float y = values[j] * inverse;
+            const float unit = y != y ? 0.0f : (y < -1.0f ? -1.0f : (1.0f < y ? 1.0f : y));
+            codes[j] = static_cast<uint8_t>(fadam_encode{q.map_id}(unit));
+          }}
+        }}{write}
         oa{k}[(start + b0) / {q.block}] = absmax;
       }}"""
 
@@ -576,15 +619,18 @@ def _codec_source(formats: Iterable[Quantized]) -> str:
         parts.append(f"static const int32_t fadam_codes{map_id}[{len(entries)}] = {{{items}}};")
         negative = f"{zero} - below - (low >= mid)" if signed else "0"
         parts.append(
-            f"""static inline int fadam_encode{map_id}(float y) {{  // y in [-1, 1], not NaN ({list(MAP_IDS)[map_id]})
-  uint32_t bits;
-  std::memcpy(&bits, &y, 4);
-  const uint32_t magnitude = bits & 0x7FFFFFFFu;
+            f"""// the code of the float with sign and bits ``bits`` and magnitude pattern ``magnitude``, at most 1.0's
+static inline int fadam_code{map_id}(uint32_t bits, uint32_t magnitude) {{  // ({list(MAP_IDS)[map_id]})
   int32_t index = static_cast<int32_t>(magnitude >> 16) - {base};
   index = index < 0 ? 0 : index;
   const int32_t entry = fadam_codes{map_id}[index];
   const int32_t below = entry & 255, mid = entry >> 8, low = static_cast<int32_t>(magnitude & 0xFFFFu);
   return (bits >> 31) ? {negative} : {zero} + below + (low > mid);
+}}
+static inline int fadam_encode{map_id}(float y) {{  // y in [-1, 1], not NaN
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  return fadam_code{map_id}(bits, bits & 0x7FFFFFFFu);
 }}"""
         )
     return "\n".join(parts)
