@@ -2,6 +2,7 @@
 
     python benchmarks/bench_quantized.py            # all three tables
     python benchmarks/bench_quantized.py --quick    # smaller sizes (a smoke run)
+    python benchmarks/bench_quantized.py --only phases   # where the 8-bit kernels' time goes
 
 1. Optimizer-state bytes per parameter on a real model (a GPT-style transformer, every tensor it has).
 2. Relative L2 error of the Adam update direction m / (sqrt(v) + eps) after one quantize round trip of real Adam
@@ -12,6 +13,10 @@
    and torch's fused AdamW; round-robin in one process, medians. On 16.8M float32 params in one tensor and in 200
    tensors, and in one bfloat16 tensor. Then the first 8-bit step in an empty kernel cache (``$FADAM_CACHE_DIR``),
    which generates and compiles its kernel, and the kernels built while the learning rate changes every step.
+4. Where the generated kernel's time goes on 8-bit state (``--only phases``, not part of the default run): the
+   adamw8bit and lion8bit kernels timed as generated and with phases knocked out of their source (the decode's
+   table reads, the encode's table reads, the block absmax), on the same rows, round-robin, one thread; a phase's
+   share is the time its removal saves. The knocked-out kernels compute garbage; only their times mean anything.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -32,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fadam
+import fadam._cpu_kernel as cpu_kernel
 from fadam.quantization import dequantize_blockwise, quantize_blockwise
 
 try:
@@ -273,12 +280,95 @@ def speed_table(quick: bool, reps: int) -> list[str]:
     return rows
 
 
+# Knock-outs of the generated source (regex, replacement): each must match, or the emitter changed and so must they
+KNOCKOUTS = {
+    "decode reads": (r"m(\d+)\[(c\1\[at\]|u\1\[j\]) \+ o\1\]", r"float(\2)"),
+    "encode reads": (r"fadam_codes(\d+)\[index\]", r"(index * 77)"),
+    "absmax": (r"#pragma omp simd reduction\(max : top\)\n(\s*for .*?\n(.*?\n)*?\s*\}\n)", "top = 0x3F000000u;\n"),
+}
+
+
+def captured_kernel(tx: fadam.GradientTransformation, n: int) -> tuple[str, list[torch.Tensor], list, list]:
+    """The source of the kernel a donated step of ``tx`` on one ``n``-element leaf runs, and that call's row (its
+    outputs, which alias its inputs in a donated step, on buffers of their own) and scalars."""
+    texts, calls = [], []
+    load_source, run = cpu_kernel._load_source, cpu_kernel.Kernel.run
+
+    def spy_load(text: str):
+        texts.append(text)
+        return load_source(text)
+
+    def spy_run(self, leaves, scalars, leaf_scalars):
+        calls.append(([t.clone() for t in leaves[0]], [p.data_ptr() for p in leaves[0]], scalars, leaf_scalars))
+        return run(self, leaves, scalars, leaf_scalars)
+
+    params = [torch.randn(n)]
+    state = tx.init(params)
+    cpu_kernel._load_source, cpu_kernel.Kernel.run = spy_load, spy_run
+    try:
+        for _ in range(3):
+            params, state = fadam.step(tx, params, [torch.randn(n) * 1e-2], state, donate=True)
+    finally:
+        cpu_kernel._load_source, cpu_kernel.Kernel.run = load_source, run
+    row, pointers, scalars, leaf_scalars = calls[-1]
+    seen: set[int] = set()
+    own = []
+    for tensor, pointer in zip(row, pointers):
+        own.append(torch.empty_like(tensor) if pointer in seen else tensor)
+        seen.add(pointer)
+    return texts[-1], own, scalars, leaf_scalars
+
+
+def kernel_medians(kernels: dict, call: tuple, calls: int, reps: int) -> dict[str, float]:
+    """Median ms per call of each kernel on one row, round-robin; each sample averages ``calls`` calls."""
+    row, scalars, leaf_scalars = call
+    times: dict[str, list[float]] = {label: [] for label in kernels}
+    for _ in range(reps):
+        for label, kernel in kernels.items():
+            kernel.run([row], scalars, leaf_scalars)
+            start = time.perf_counter()
+            for _ in range(calls):
+                kernel.run([row], scalars, leaf_scalars)
+            times[label].append((time.perf_counter() - start) / calls)
+    return {label: median_ms(ts) for label, ts in times.items()}
+
+
+def phase_table(quick: bool, reps: int) -> list[str]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = [
+        "## 4. generated 8-bit kernels: ms per call, one thread, as generated and with phases knocked out",
+        "| kernel | elements | as generated | " + " | ".join(f"no {k}" for k in KNOCKOUTS) + " | all three |",
+        "|---|---|---|" + "---|" * (len(KNOCKOUTS) + 1),
+    ]
+    try:
+        for name, tx in (("adamw8bit", fadam.adamw8bit(lr=1e-3)), ("lion8bit", fadam.lion8bit(lr=1e-4))):
+            for n in (1 << 17, 1 << 20 if quick else 1 << 24):  # in the L2 cache, and in memory
+                text, row, scalars, leaf_scalars = captured_kernel(tx, n)
+                variants = {"as generated": text}
+                for label, (pattern, replacement) in KNOCKOUTS.items():
+                    variants[label], found = re.subn(pattern, replacement, text)
+                    if not found:
+                        raise RuntimeError(f"knock-out {label!r} matches nothing: update KNOCKOUTS")
+                everything = text
+                for pattern, replacement in KNOCKOUTS.values():
+                    everything = re.sub(pattern, replacement, everything)
+                variants["all three"] = everything
+                kernels = {label: cpu_kernel._load_source(source) for label, source in variants.items()}
+                ms = kernel_medians(kernels, (row, scalars, leaf_scalars), max(1, (1 << 21) // n), reps)
+                cells = [f"{ms[label]:.3f}" for label in kernels]
+                rows.append(f"| {name} | {n:,} | " + " | ".join(cells) + " |")
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", choices=["memory", "accuracy", "speed"], default=None)
+    parser.add_argument("--only", choices=["memory", "accuracy", "speed", "phases"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, bitsandbytes {bnb.__version__ if bnb else 'not installed'}")
@@ -288,6 +378,8 @@ def main() -> None:
             print("\n".join(fn(args.quick)), "\n", flush=True)
     if args.only in (None, "speed"):
         print("\n".join(speed_table(args.quick, args.reps)), flush=True)
+    if args.only == "phases":
+        print("\n".join(phase_table(args.quick, args.reps)), flush=True)
 
 
 if __name__ == "__main__":
