@@ -21,6 +21,17 @@ from fadam._base import (
 from fadam._checkpoint import state_from_dict, state_to_dict
 from fadam._execute import backend, explain
 from fadam._muon_aliases import muon, muon_labels, muon_with_adamw
+from fadam._optax_aliases import (
+    adan,
+    fromage,
+    lars,
+    noisy_sgd,
+    novograd,
+    optimistic_adam,
+    optimistic_gradient_descent,
+    polyak_sgd,
+    sm3,
+)
 from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop
 from fadam._tree import (
     tree_add,
@@ -54,9 +65,16 @@ from fadam.aliases import (
 )
 from fadam.bridge import Optimizer, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
+from fadam.combinators._conditionality import (
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    conditionally_mask,
+    conditionally_transform,
+)
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
 from fadam.combinators._lookahead import LookaheadParams, LookaheadState, lookahead
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.combinators._multi_transform import multi_transform
 from fadam.combinators._sam import SAMState, normalize, sam
 from fadam.combinators._wrappers import (
     ApplyIfFiniteState,
@@ -99,6 +117,7 @@ from fadam.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from fadam.transforms._accumulation import ApplyEvery, apply_every
 from fadam.transforms._adadelta import ScaleByAdadeltaState, scale_by_adadelta
 from fadam.transforms._adafactor_torch import ScaleByAdafactorTorchState, scale_by_adafactor_torch
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState, scale_by_adam
@@ -110,13 +129,17 @@ from fadam.transforms._adam_variants import (
     scale_by_nadam,
     scale_by_radam,
 )
+from fadam.transforms._adan import ScaleByAdanState, scale_by_adan
+from fadam.transforms._adaptive_clipping import adaptive_grad_clip, per_example_global_norm_clip
 from fadam.transforms._ademamix import ScaleByAdemamixState, scale_by_ademamix
 from fadam.transforms._adopt import ScaleByAdoptState, scale_by_adopt
 from fadam.transforms._asgd import ScaleByAsgdState, scale_by_asgd
 from fadam.transforms._belief import ScaleByBeliefState, scale_by_belief
 from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
 from fadam.transforms._cautious import cautious
+from fadam.transforms._centralize import centralize
 from fadam.transforms._clipping import clip, clip_by_block_rms, clip_by_global_norm
+from fadam.transforms._constraining import keep_params_nonnegative
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
 from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
 from fadam.transforms._lbfgs import LbfgsState, lbfgs
@@ -124,6 +147,11 @@ from fadam.transforms._lion import ScaleByLionState, scale_by_lion
 from fadam.transforms._mars import ScaleByMarsState, mars, scale_by_mars
 from fadam.transforms._momentum import EmaState, TraceState, ema, trace
 from fadam.transforms._muon import ScaleByMuonState, scale_by_muon
+from fadam.transforms._noise import AddNoiseState, add_noise
+from fadam.transforms._normalizing import normalize_by_update_norm
+from fadam.transforms._novograd import ScaleByNovogradState, scale_by_novograd
+from fadam.transforms._optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
+from fadam.transforms._polyak import scale_by_polyak
 from fadam.transforms._prodigy import ProdigyState, prodigy
 from fadam.transforms._rms import (
     ScaleByRmsState,
@@ -144,6 +172,7 @@ from fadam.transforms._schedule_free import (
     schedule_free_sgd,
 )
 from fadam.transforms._sign import scale_by_sign
+from fadam.transforms._sm3 import ScaleBySM3State, scale_by_sm3
 from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
 
 global_norm = tree_global_norm
@@ -152,7 +181,11 @@ global_norm = tree_global_norm
 # torch.load(weights_only=True)
 torch.serialization.add_safe_globals(
     [
+        AddNoiseState,
+        ApplyEvery,
         ApplyIfFiniteState,
+        ConditionallyMaskState,
+        ConditionallyTransformState,
         EmaState,
         EmptyState,
         FactoredState,
@@ -173,6 +206,7 @@ torch.serialization.add_safe_globals(
         ScaleByAdafactorTorchState,
         ScaleByAdamState,
         ScaleByAdamaxState,
+        ScaleByAdanState,
         ScaleByAdemamixState,
         ScaleByAdoptState,
         ScaleByAmsgradState,
@@ -182,11 +216,14 @@ torch.serialization.add_safe_globals(
         ScaleByMarsState,
         ScaleByMuonState,
         ScaleByNadamState,
+        ScaleByNovogradState,
+        ScaleByOptimisticGradientState,
         ScaleByRStdDevState,
         ScaleByRadamState,
         ScaleByRmsState,
         ScaleByRssState,
         ScaleByRpropState,
+        ScaleBySM3State,
         ScaleByScheduleState,
         ScaleBySecondMomentState,
         ScaleByYogiState,
@@ -201,7 +238,11 @@ __version__ = "0.1.0"
 __all__ = [
     "backend",
     "explain",
+    "AddNoiseState",
+    "ApplyEvery",
     "ApplyIfFiniteState",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
     "EmaState",
     "EmptyState",
     "FactoredState",
@@ -231,6 +272,7 @@ __all__ = [
     "ScaleByAdafactorTorchState",
     "ScaleByAdamState",
     "ScaleByAdamaxState",
+    "ScaleByAdanState",
     "ScaleByAdemamixState",
     "ScaleByAdoptState",
     "ScaleByAmsgradState",
@@ -240,11 +282,14 @@ __all__ = [
     "ScaleByMarsState",
     "ScaleByMuonState",
     "ScaleByNadamState",
+    "ScaleByNovogradState",
+    "ScaleByOptimisticGradientState",
     "ScaleByRStdDevState",
     "ScaleByRadamState",
     "ScaleByRmsState",
     "ScaleByRssState",
     "ScaleByRpropState",
+    "ScaleBySM3State",
     "ScaleByScheduleState",
     "ScaleByYogiState",
     "Schedule",
@@ -264,31 +309,41 @@ __all__ = [
     "adamw",
     "adamw4bit",
     "adamw8bit",
+    "adan",
+    "adaptive_grad_clip",
     "add_decayed_weights",
     "add_decoupled_weight_decay",
+    "add_noise",
     "ademamix",
     "ademamix8bit",
     "adopt",
+    "apply_every",
     "asgd",
     "apply_if_finite",
     "apply_updates",
     "cautious",
+    "centralize",
     "chain",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
+    "conditionally_mask",
+    "conditionally_transform",
     "constant_schedule",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "ema",
     "exponential_decay",
     "freeze",
+    "fromage",
     "gather",
     "global_norm",
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "keep_params_nonnegative",
     "lamb",
+    "lars",
     "lbfgs",
     "linear_onecycle_schedule",
     "linear_schedule",
@@ -297,22 +352,30 @@ __all__ = [
     "lookahead",
     "masked",
     "mars",
+    "multi_transform",
     "muon",
     "muon_labels",
     "muon_with_adamw",
     "nadam",
     "nadamw",
     "named_chain",
+    "noisy_sgd",
     "normalize",
+    "normalize_by_update_norm",
+    "novograd",
+    "optimistic_adam",
+    "optimistic_gradient_descent",
     "page_state",
     "paged_adam",
     "paged_adam8bit",
     "paged_adamw",
     "paged_adamw8bit",
     "partition",
+    "per_example_global_norm_clip",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "pmap",
+    "polyak_sgd",
     "polynomial_schedule",
     "prodigy",
     "quantize_state",
@@ -325,6 +388,7 @@ __all__ = [
     "scale_by_adafactor_torch",
     "scale_by_adam",
     "scale_by_adamax",
+    "scale_by_adan",
     "scale_by_ademamix",
     "scale_by_adopt",
     "scale_by_asgd",
@@ -335,13 +399,17 @@ __all__ = [
     "scale_by_mars",
     "scale_by_muon",
     "scale_by_nadam",
+    "scale_by_novograd",
+    "scale_by_optimistic_gradient",
     "scale_by_param_block_rms",
+    "scale_by_polyak",
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_rprop",
     "scale_by_schedule",
     "scale_by_sign",
+    "scale_by_sm3",
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "scale_by_yogi",
@@ -359,6 +427,7 @@ __all__ = [
     "signum",
     "skip_large_updates",
     "skip_not_finite",
+    "sm3",
     "state_from_dict",
     "state_from_torch",
     "state_to_dict",

@@ -246,8 +246,68 @@ FACTORIES["lbfgs"] = [
     lambda: _lbfgs_with_value_fn(max_iter=4, history_size=2),
     lambda: _lbfgs_with_value_fn(lr=_half_lr, line_search_fn="strong_wolfe", max_iter=3),
 ]
+
+
+def _with_loss(tx: fadam.GradientTransformation) -> fadam.GradientTransformation:
+    """A transform that needs the loss (the Polyak step size), given |p|^2 / 2 at every update."""
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        value = fadam.tree_global_norm(params) ** 2 / 2
+        return tx.update(updates, state, params, value=value, **extra)
+
+    return fadam.GradientTransformation(tx.init, update)
+
+
+def _matrices(params: Any) -> Any:
+    return fadam.tree_map(lambda p: p.ndim >= 2, params)
+
+
+FACTORIES.update(
+    {
+        "novograd": [lambda: fadam.novograd(1e-2, weight_decay=0.1)],
+        "scale_by_novograd": [
+            fadam.scale_by_novograd,
+            lambda: fadam.scale_by_novograd(eps_root=1e-8, mu_dtype=torch.float64),
+        ],
+        "lars": [
+            lambda: fadam.lars(1e-2, weight_decay=1e-3),
+            lambda: fadam.lars(_half_lr, trust_ratio_mask=_matrices, weight_decay_mask=_matrices, nesterov=True),
+        ],
+        "adan": [lambda: fadam.adan(1e-2, weight_decay=0.1), lambda: fadam.adan(_half_lr, mask=_matrices)],
+        "scale_by_adan": [fadam.scale_by_adan],
+        "sm3": [lambda: fadam.sm3(1e-2)],
+        "scale_by_sm3": [lambda: fadam.scale_by_sm3(b1=0.5, b2=0.9)],
+        "fromage": [lambda: fadam.fromage(1e-2), lambda: fadam.fromage(_half_lr)],
+        "noisy_sgd": [lambda: fadam.noisy_sgd(1e-2, key=0)],
+        "add_noise": [lambda: fadam.add_noise(0.01, 0.55, key=1)],
+        "polyak_sgd": [lambda: _with_loss(fadam.polyak_sgd(scaling=0.5, variant="sps+"))],
+        "scale_by_polyak": [lambda: _with_loss(fadam.scale_by_polyak(f_min=0.1, eps=1e-3))],
+        "optimistic_gradient_descent": [lambda: fadam.optimistic_gradient_descent(1e-2, alpha=0.5)],
+        "optimistic_adam": [
+            lambda: fadam.optimistic_adam(1e-2),
+            lambda: fadam.optimistic_adam(1e-2, 0.1, nesterov=False),
+        ],
+        "scale_by_optimistic_gradient": [fadam.scale_by_optimistic_gradient],
+        "centralize": [fadam.centralize],
+        "adaptive_grad_clip": [lambda: fadam.adaptive_grad_clip(0.1)],
+        "normalize_by_update_norm": [fadam.normalize_by_update_norm],
+        "keep_params_nonnegative": [fadam.keep_params_nonnegative],
+        "apply_every": [lambda: fadam.apply_every(2)],
+        "conditionally_mask": [lambda: fadam.conditionally_mask(fadam.adam(1e-2), lambda step: step % 2 == 0)],
+        "conditionally_transform": [
+            lambda: fadam.conditionally_transform(fadam.trace(0.9), lambda step: step != 1),
+        ],
+        "multi_transform": [
+            lambda: fadam.multi_transform(
+                {"adan": fadam.adan(1e-2), "sgd": fadam.sgd(1e-2)},
+                lambda params: fadam.tree_map(lambda p: "adan" if p.ndim >= 2 else "sgd", params),
+            )
+        ],
+    }
+)
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
+REAL_ONLY |= {"sm3", "scale_by_sm3"}  # as optax (maxima of the accumulator)
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
 HANDLE_STATE = {"page_state", "paged_adam", "paged_adam8bit", "paged_adamw", "paged_adamw8bit"}
 

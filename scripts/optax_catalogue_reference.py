@@ -1,0 +1,212 @@
+"""Writes tests/data/optax_catalogue.json: optax's float64 trajectories of the optimizers, transforms and wrappers
+of tests/test_optax_catalogue.py (NovoGrad, LARS, Adan, SM3, Fromage, noisy SGD without noise, Polyak SGD,
+optimistic gradient descent and Adam, centralize, adaptive_grad_clip, normalize_by_update_norm,
+keep_params_nonnegative, apply_every, conditionally_mask and conditionally_transform, per_example_global_norm_clip).
+
+Each case runs a transform (its updates at every step, at the fixed params ``START``) or an alias (the params after
+every step, from ``START``) of optax on a fixed sequence of gradients over three leaves (a matrix, a vector and a
+3-d tensor), and, for the Polyak step size, of loss values; all are stored with the results, so the tests need
+neither jax nor optax.
+
+Needs jax and optax, which fadam does not depend on; run once where they are installed:
+    PYTHONPATH=<dir with jax, optax> python scripts/optax_catalogue_reference.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402  (float64 must be enabled before arrays are made)
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+STEPS = 20
+SHAPES = {"b": (3,), "c": (2, 2, 2), "w": (2, 3)}
+
+
+def _leaf(name: str, t: int) -> list:
+    """Step ``t``'s gradient of one leaf: signs that flip, magnitudes that differ by leaf and element, a component
+    that is zero for the first steps (square roots of zero moments), and growth (clipping engages)."""
+    size = math.prod(SHAPES[name])
+    offset = {"b": 0.3, "c": 1.1, "w": 2.0}[name]
+    values = []
+    for i in range(size):
+        v = math.sin(0.7 * t + 1.3 * i + offset) * (1 + 0.2 * i) + 0.05 * t * (-1) ** i
+        if i == 0 and t < 3:
+            v = 0.0
+        values.append(v * (1.0 + (t % 5 == 4) * 3.0))
+    return np.asarray(values).reshape(SHAPES[name]).tolist()
+
+
+def gradients() -> list[dict[str, list]]:
+    return [{name: _leaf(name, t) for name in SHAPES} for t in range(STEPS)]
+
+
+def start() -> dict[str, list]:
+    return {
+        name: np.asarray([0.8 * math.cos(0.9 * i + k) for i in range(math.prod(shape))]).reshape(shape).tolist()
+        for k, (name, shape) in enumerate(SHAPES.items())
+    }
+
+
+def values() -> list[float]:
+    """Loss values for the Polyak step size (some below the ``f_min`` of 0.5 used by a case)."""
+    return [0.3 + 2.0 * (1 + math.sin(0.8 * t)) / (1 + 0.1 * t) for t in range(STEPS)]
+
+
+LINEAR_LR = {"schedule": "linear_schedule", "kwargs": {"init_value": 0.2, "end_value": 0.02, "transition_steps": 20}}
+MASK = {"b": False, "c": True, "w": True}
+DECAY_MASK = {"b": False, "c": False, "w": True}
+
+# (name, optax function, kwargs, kind): kind "transform" records updates, "alias" the params
+CASES: list[tuple[str, str, dict[str, Any], str]] = [
+    ("novograd-default", "scale_by_novograd", {}, "transform"),
+    ("novograd-decay", "scale_by_novograd", {"b1": 0.8, "b2": 0.5, "eps_root": 1e-8, "weight_decay": 0.1}, "transform"),
+    ("novograd-alias", "novograd", {"learning_rate": 0.05, "weight_decay": 0.01}, "alias"),
+    ("adan-default", "scale_by_adan", {}, "transform"),
+    ("adan-fast", "scale_by_adan", {"b1": 0.9, "b2": 0.8, "b3": 0.95, "eps_root": 1e-8, "eps": 1e-6}, "transform"),
+    ("adan-alias", "adan", {"learning_rate": 0.02, "weight_decay": 0.1}, "alias"),
+    ("adan-alias-mask", "adan", {"learning_rate": 0.02, "weight_decay": 0.1, "mask": DECAY_MASK}, "alias"),
+    ("lars-alias", "lars", {"learning_rate": 0.5, "weight_decay": 1e-2}, "alias"),
+    (
+        "lars-nesterov-masks",
+        "lars",
+        {
+            "learning_rate": 0.3,
+            "weight_decay": 1e-2,
+            "weight_decay_mask": DECAY_MASK,
+            "trust_ratio_mask": MASK,
+            "trust_coefficient": 0.01,
+            "eps": 1e-3,
+            "momentum": 0.8,
+            "nesterov": True,
+        },
+        "alias",
+    ),
+    ("sm3-default", "scale_by_sm3", {}, "transform"),
+    ("sm3-decayed", "scale_by_sm3", {"b1": 0.5, "b2": 0.9, "eps": 1e-6}, "transform"),
+    ("sm3-alias", "sm3", {"learning_rate": 0.1}, "alias"),
+    ("fromage-alias", "fromage", {"learning_rate": 0.1}, "alias"),
+    ("fromage-schedule", "fromage", {"learning_rate": LINEAR_LR, "min_norm": 1e-3}, "alias"),
+    ("noisy-sgd-no-noise", "noisy_sgd", {"learning_rate": 0.1, "eta": 0.0, "key": 0}, "alias"),
+    ("add-noise-no-noise", "add_noise", {"eta": 0.0, "gamma": 0.55, "key": 0}, "transform"),
+    ("polyak-default", "scale_by_polyak", {}, "transform"),
+    (
+        "polyak-plus",
+        "scale_by_polyak",
+        {"f_min": 0.5, "max_learning_rate": 0.2, "eps": 1e-3, "variant": "sps+"},
+        "transform",
+    ),
+    ("polyak-sgd-alias", "polyak_sgd", {"max_learning_rate": 0.3, "scaling": 0.5}, "alias"),
+    ("optimistic-default", "scale_by_optimistic_gradient", {}, "transform"),
+    ("optimistic-weights", "scale_by_optimistic_gradient", {"alpha": 0.5, "beta": 2.0}, "transform"),
+    ("ogd-alias", "optimistic_gradient_descent", {"learning_rate": 0.1, "alpha": 0.7, "beta": 0.3}, "alias"),
+    ("optimistic-adam-alias", "optimistic_adam", {"learning_rate": 0.01}, "alias"),
+    (
+        "optimistic-adam-plain",
+        "optimistic_adam",
+        {"learning_rate": 0.02, "optimism": 0.05, "nesterov": False, "eps_root": 1e-10},
+        "alias",
+    ),
+    ("centralize", "centralize", {}, "transform"),
+    ("normalize-default", "normalize_by_update_norm", {}, "transform"),
+    ("normalize-scaled", "normalize_by_update_norm", {"scale_factor": 2.0, "eps": 0.1}, "transform"),
+    ("agc", "adaptive_grad_clip", {"clipping": 0.3}, "transform"),
+    ("agc-axis", "adaptive_grad_clip", {"clipping": 0.5, "eps": 0.1, "axis": 0}, "transform"),
+    ("nonnegative", "keep_params_nonnegative", {}, "transform"),
+    ("apply-every", "apply_every", {"k": 3}, "transform"),
+    # wrappers: {"inner": [name, kwargs], "every": n} runs the inner transform where step % n != 0
+    ("conditionally-mask", "conditionally_mask", {"inner": ["scale_by_adam", {}], "every": 3}, "transform"),
+    (
+        "conditionally-transform",
+        "conditionally_transform",
+        {"inner": ["scale_by_adam", {"b1": 0.5}], "every": 4},
+        "transform",
+    ),
+]
+
+
+def _resolve(name: str, value: Any) -> Any:
+    if isinstance(value, dict) and "schedule" in value:
+        schedule = getattr(optax, value["schedule"])(**value["kwargs"])
+        # optax's schedules compute in float32 on an int32 count even with x64: an int64 count gives float64
+        return lambda count: schedule(jnp.asarray(count).astype(jnp.int64))
+    return value
+
+
+def _build(path: str, kwargs: dict[str, Any]) -> Any:
+    if "inner" in kwargs:
+        inner_name, inner_kwargs = kwargs["inner"]
+        every = kwargs["every"]
+        return getattr(optax, path)(getattr(optax, inner_name)(**inner_kwargs), lambda step: step % every != 0)
+    return getattr(optax, path)(**{k: _resolve(k, v) for k, v in kwargs.items()})
+
+
+def _tree(values: dict[str, list]) -> dict[str, jnp.ndarray]:
+    return {name: jnp.asarray(v, dtype=jnp.float64) for name, v in values.items()}
+
+
+def _lists(tree: dict[str, jnp.ndarray]) -> dict[str, list]:
+    for leaf in tree.values():
+        assert leaf.dtype == jnp.float64, leaf.dtype
+    return {name: np.asarray(leaf).tolist() for name, leaf in tree.items()}
+
+
+def run(path: str, kwargs: dict[str, Any], kind: str, grads: list, losses: list[float]) -> list:
+    tx = _build(path, kwargs)
+    params = _tree(start())
+    state = tx.init(params)
+    trajectory = []
+    for g, loss in zip(grads, losses):
+        extra = {"value": jnp.asarray(loss, dtype=jnp.float64)} if "polyak" in path else {}
+        updates, state = tx.update(_tree(g), state, params, **extra)
+        if kind == "alias":
+            params = optax.apply_updates(params, updates)
+            trajectory.append(_lists(params))
+        else:
+            trajectory.append(_lists(updates))
+    return trajectory
+
+
+def per_example() -> dict[str, Any]:
+    """``per_example_global_norm_clip`` on a batch of 5 examples, two of them below the bound and one zero."""
+    rng = np.random.default_rng(0)
+    grads = {"b": rng.normal(size=(5, 3)), "w": rng.normal(size=(5, 2, 2))}
+    grads["b"][1] *= 0.05
+    grads["w"][1] *= 0.05
+    grads["b"][3] = 0.0
+    grads["w"][3] = 0.0
+    summed, clipped = optax.per_example_global_norm_clip(_tree(grads), 1.0)
+    return {"grads": _lists(_tree(grads)), "l2_norm_clip": 1.0, "sum": _lists(summed), "num_clipped": int(clipped)}
+
+
+def main() -> None:
+    warnings.simplefilter("ignore", DeprecationWarning)  # optimistic_adam's
+    grads, losses = gradients(), values()
+    cases = [
+        {"name": name, "optax": path, "kwargs": kwargs, "kind": kind, "values": run(path, kwargs, kind, grads, losses)}
+        for name, path, kwargs, kind in CASES
+    ]
+    out = {
+        "optax_version": optax.__version__,
+        "start": start(),
+        "grads": grads,
+        "losses": losses,
+        "cases": cases,
+        "per_example_global_norm_clip": per_example(),
+    }
+    target = Path(__file__).resolve().parent.parent / "tests" / "data" / "optax_catalogue.json"
+    target.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    print(f"wrote {len(cases)} cases to {target} (optax {optax.__version__})")
+
+
+if __name__ == "__main__":
+    main()
