@@ -284,7 +284,7 @@ def speed_table(quick: bool, reps: int) -> list[str]:
 KNOCKOUTS = {
     "decode reads": (r"m(\d+)\[(c\1\[at\]|u\1\[j\]) \+ o\1\]", r"float(\2)"),
     "encode reads": (r"fadam_codes(\d+)\[index\]", r"(index * 77)"),
-    "absmax": (r"#pragma omp simd reduction\(max : top\)\n(\s*for .*?\n(.*?\n)*?\s*\}\n)", "top = 0x3F000000u;\n"),
+    "absmax": (r"top(\d+) = top\1 < q\1_bits \? q\1_bits : top\1;", ""),
 }
 
 

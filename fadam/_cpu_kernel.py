@@ -344,8 +344,12 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         return [f"const {ctype(node)} {name} = {value};"]
 
     def store(k: int, node: Node, name: str) -> str:
-        if k in quantized:
-            return f"q{k}[j] = {name};"
+        if k in quantized:  # and the block's largest magnitude pattern so far (``_encode_blocks``)
+            return (
+                f"const float q{k}_{name} = {name};\n        q{k}[j] = q{k}_{name};\n        "
+                f"uint32_t q{k}_bits;\n        std::memcpy(&q{k}_bits, &q{k}_{name}, 4);\n        "
+                f"q{k}_bits &= 0x7FFFFFFFu;\n        top{k} = top{k} < q{k}_bits ? q{k}_bits : top{k};"
+            )
         return f"out{k}[at] = {f'fadam_to_bf16({name})' if types[node.index] == torch.bfloat16 else name};"
 
     def value(node: Node, names: dict[int, str]) -> str:
@@ -359,6 +363,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     for current in range(passes):
         names: dict[int, str] = {}
         lines: list[str] = []
+        reduced: list[int] = []  # the quantized slots this pass stores
         for node in graph.nodes:
             index = node.index
             if index not in needed or not node.elementwise:
@@ -374,14 +379,21 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
                     lines.append(f"b{index}[j] = {name};")
             if phase[index] == current and index in output_of:
                 lines.extend(store(k, node, name) for k in output_of[index])
+                reduced += [k for k in output_of[index] if k in quantized]
         lines += [f"a{r.index}[j] = {names[r.args[0].index]};" for r in roots if phase[r.index] == current + 1]
         body = "\n        ".join(lines)
-        loop = f"""#pragma omp simd
+        tops = ", ".join(f"top{k}" for k in reduced)
+        loop = f"""#pragma omp simd{f" reduction(max : {tops})" if reduced else ""}
       for (int64_t j = {"b0" if quantized else "0"}; j < {"stop" if quantized else "count"}; ++j) {{
         const int64_t at = start + j;
         {body}
       }}"""
-        loops.append(_block_loop(loop, quantized, INFINITE) if quantized else loop)
+        if quantized:
+            block = next(iter(quantized.values())).block
+            before = "".join(f"uint32_t top{k} = 0;\n      " for k in reduced)
+            after = "".join(f"\n      tops{k}[b0 / {block}] = top{k};" for k in reduced)
+            loop = _block_loop(before + loop + after, quantized, INFINITE)
+        loops.append(loop)
         for root in roots:
             if phase[root.index] == current + 1:
                 function = "sqrt_double" if types[root.index] == torch.float64 else "sqrt_float"
@@ -424,7 +436,8 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     scratch = [f"{ctype(n)} b{n.index}[{span}];" for n in buffered]
     scratch += [f"{ctype(r)} a{r.index}[{span}], r{r.index}[{span}];" for r in roots]
     scratch += [
-        f"float q{k}[{span}];" + (f" uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" if q.bits == 4 else "")
+        f"float q{k}[{span}]; uint32_t tops{k}[{span // q.block}];"
+        + (f" uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" if q.bits == 4 else "")
         for k, q in quantized.items()
     ]
     per_leaf = len(graph.leaf_scalars)
@@ -531,10 +544,11 @@ def _encode_blocks(k: int, q: Quantized) -> str:
     NaN as 0, clamped to [-1, 1]; 4-bit codes two per byte, a ragged block padded with the code of 0.
 
     The common block takes a short path with the same results: its largest magnitude is found as the largest bit
-    pattern of the magnitudes (integers order non-negative floats as the floats do; a NaN or an infinity lies above
-    every finite pattern), and where that is finite and ``1 / scale`` too, no ``x * (1 / scale)`` is NaN or infinite,
-    so the clamp to [-1, 1] is an integer minimum of the magnitude's pattern with that of 1.0. Blocks holding a NaN
-    or an infinity, or with a subnormal scale, take the general loops."""
+    pattern of the magnitudes (``top``, a reduction in the element loop that stores the values: integers order
+    non-negative floats as the floats do; a NaN or an infinity lies above every finite pattern), and where that is
+    finite and ``1 / scale`` too, no ``x * (1 / scale)`` is NaN or infinite, so the clamp to [-1, 1] is an integer
+    minimum of the magnitude's pattern with that of 1.0. Blocks holding a NaN or an infinity, or with a subnormal
+    scale, take the general loops."""
     codes = f"oc{k} + start + b0" if q.bits == 8 else f"e{k}"
     write = (
         ""
@@ -549,14 +563,7 @@ def _encode_blocks(k: int, q: Quantized) -> str:
         const int64_t length = std::min<int64_t>({q.block}, count - b0);
         const float* values = q{k} + b0;
         uint8_t* codes = {codes};
-        uint32_t top = 0;
-#pragma omp simd reduction(max : top)
-        for (int64_t j = 0; j < length; ++j) {{
-          uint32_t bits;
-          std::memcpy(&bits, values + j, 4);
-          bits &= 0x7FFFFFFFu;
-          top = top < bits ? bits : top;
-        }}
+        const uint32_t top = tops{k}[b0 / {q.block}];  // the largest magnitude pattern, from the pass that stored it
         float finite = 0.0f;
         int infinite = 0;
         if (top < 0x7F800000u) {{
