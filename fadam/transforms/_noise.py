@@ -37,7 +37,8 @@ def add_noise(
     pure), and every step draws new noise. The state's ``rng_key`` seeds a CPU ``torch.Generator`` that draws the next
     step's key and one seed per leaf; each leaf's noise is drawn on its own device, in its dtype, from a generator
     of that device seeded with its seed. (jax's generator differs: the noise is not optax's bit for bit.) A complex
-    leaf gets complex noise of variance :math:`\sigma_t^2` (half in each part), as jax and torch draw it.
+    leaf gets complex noise of variance :math:`\sigma_t^2` (half in each part), as jax and torch draw it. The seed is
+    read on the host, so the update does not run under ``torch.func`` transforms or ``torch.compile``.
 
     Args:
         eta: the initial variance :math:`\eta`.

@@ -68,8 +68,8 @@ def scale_by_polyak(
             return updates, state
         device = leaves[0].device
         squared = sum((real_view(u).square().sum().to(device) for u in leaves[1:]), real_view(leaves[0]).square().sum())
-        gap = torch.as_tensor(value, device=device) - f_min
-        gap = gap.to(squared.dtype)
+        loss = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+        gap = (loss.to(device) - f_min).to(squared.dtype)  # in the loss's precision, then the updates' (optax's)
         if variant == "sps+":
             gap = torch.clamp(gap, min=0.0)
         denominator = squared + eps
