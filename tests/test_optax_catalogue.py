@@ -288,3 +288,32 @@ def test_conditional_wrapper_under_vmap_selects_per_member():
 
     out = torch.func.vmap(two_steps)(g)
     torch.testing.assert_close(out, torch.stack([two_steps(row) for row in g]))
+
+
+VMAP_BUILDERS = {
+    "scale_by_novograd": lambda: fadam.scale_by_novograd(weight_decay=0.1),
+    "scale_by_adan": fadam.scale_by_adan,
+    "scale_by_sm3": fadam.scale_by_sm3,
+    "scale_by_optimistic_gradient": fadam.scale_by_optimistic_gradient,
+    "apply_every": lambda: fadam.apply_every(2),
+    "normalize_by_update_norm": fadam.normalize_by_update_norm,
+    "adaptive_grad_clip": lambda: fadam.adaptive_grad_clip(0.1),
+    "centralize": fadam.centralize,
+    "keep_params_nonnegative": fadam.keep_params_nonnegative,
+}
+
+
+@pytest.mark.parametrize("name", sorted(VMAP_BUILDERS))
+def test_vmap_over_an_ensemble_equals_the_members(name):
+    tx = VMAP_BUILDERS[name]()
+    params = [torch.full((2, 3), 0.5)]
+
+    def three_steps(g: torch.Tensor) -> torch.Tensor:
+        state, out = tx.init(params), []
+        for k in range(3):
+            updates, state = tx.update([g * (k - 1.5)], state, params)
+            out.append(updates[0])
+        return torch.stack(out)
+
+    grads = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.func.vmap(three_steps)(grads), torch.stack([three_steps(g) for g in grads]))
