@@ -11,7 +11,7 @@ import torch
 from fadam._base import EmptyState, GradientTransformation, apply_updates
 from fadam._numerics import zero_count
 from fadam._program import Elementwise, elementwise
-from fadam._tree import PyTree, check_leaves, tree_global_norm, tree_map
+from fadam._tree import PyTree, check_leaves, check_params, tree_global_norm, tree_map
 from fadam.combinators._wrappers import _host_bool, _select
 from fadam.transforms._validation import check_state
 
@@ -123,6 +123,7 @@ def sam(
         raise ValueError(f"Invalid sync_period: {sync_period} (expected an int >= 1)")
 
     def init(params: PyTree) -> SAMState:
+        check_params(params)  # before the copy, which would fail on a non-tensor leaf or use up a generator
         cache = None if opaque_mode else _copy(params)
         return SAMState(zero_count(), optimizer.init(params), adv_optimizer.init(params), cache)
 
