@@ -56,8 +56,10 @@ UNALIGNED_CASES: dict[str, Callable[[], fadam.GradientTransformation]] = {
     "adamw8bit-unaligned": lambda: fadam.adamw8bit(1e-2, weight_decay=0.1, min_size=0),
 }
 # optimizers with a global norm: their sharded sum of squares rounds differently from one process
-# lamb: per-leaf norms for its trust ratio; adafactor: row/column means over a sharded dim add the ranks' partial sums
-GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb", "adafactor"}
+# lamb: per-leaf norms for its trust ratio; adafactor: row/column means over a sharded dim add the ranks' partial sums;
+# mars: per-leaf norms for its clipping; sam-sgd: normalize's global norm (prodigy adds its sums in float64, whose
+# rounding does not reach its float32 updates here)
+GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb", "adafactor", "mars-all-leaves", "sam-sgd"}
 # optimizers whose state reduces a param over a dim: a statistic that reduced a sharded dim (or a 1-element
 # placeholder) is replicated on the params' mesh instead of sharded like the param
 REPLICATED_STATE_CASES = {"adafactor"}
