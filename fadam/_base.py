@@ -155,17 +155,22 @@ FusedStep = Callable[[PyTree, PyTree, PyTree, bool], "tuple[PyTree, PyTree] | No
 
 
 class FusibleUpdate:
-    """An ``update`` function that also knows an equivalent fused step for ``fadam.step``.
+    """An ``update`` function that also knows its own step for ``fadam.step``: a wrapper that decides something before
+    its inner transform steps (skip a non-finite step, accumulate gradients, stream state in chunks) and then runs the
+    inner step by its fastest backend (``fadam._execute.fast_step``).
 
-    Calling it is calling ``update``. ``fused_step(params, grads, state, donate)`` returns ``(params, state)`` computed
-    by a fused multi-tensor kernel, or ``None`` when the inputs do not allow one (a ``None`` gradient, tensors that
-    autograd or ``torch.func`` must see, unsupported dtypes); ``fadam.step`` then takes the general path.
+    Calling it is calling ``update``. ``fused_step(params, grads, state, donate)`` returns ``(params, state)``, or
+    ``None`` when the inputs do not allow it; ``fadam.step`` then takes the general path. ``inner``, where given, is
+    the inner transform and the field of the state that holds its state, for ``fadam.explain``.
     """
 
-    def __init__(self, update: UpdateFn, fused_step: FusedStep) -> None:
+    def __init__(
+        self, update: UpdateFn, fused_step: FusedStep, inner: tuple[GradientTransformation, str] | None = None
+    ) -> None:
         self._update = update
         self.fused_step = fused_step
-        self.program = getattr(update, "program", None)  # what fadam.step runs when the fused kernel cannot
+        self.inner = inner
+        self.program = getattr(update, "program", None)  # what fadam.step runs when the fused step cannot
 
     def __call__(
         self, updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any
@@ -189,8 +194,9 @@ def step(
     step allocates no new param-sized tensors; read only the returned values afterwards. DTensor params (FSDP2) are
     updated in place shard by shard, so a sharded module's own parameters hold the result. The step runs on the fastest
     backend the tensors allow (``fadam.explain`` says which, leaf by leaf, and why; ``fadam.backend`` chooses one):
-    torch's fused kernel where ``tx`` is an alias that matches one (``adam``, ``adamw``, ``sgd``, ``adagrad``) and the
-    tensors are plain and contiguous on the CPU or CUDA; else, for the declared stages of any chain, fadam's generated
+    torch's fused kernel where a run of ``tx``'s stages is one of its chains (``adam``, ``adamw``, ``sgd``, ``adagrad``
+    and any chain, mask or partition built of the same members) and the tensors are plain and contiguous on the CPU or
+    CUDA; else, for the declared stages of any chain, fadam's generated
     CPU kernel on the leaves that are plain contiguous float32/float64 CPU tensors (the eager numbers bit for bit);
     else ``tx.update`` and the addition of the updates, which writes a non-contiguous param's own elements only.
     Inputs are checked before anything is written.

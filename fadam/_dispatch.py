@@ -10,10 +10,11 @@ Transforms describe their math per leaf; this module says when a faster executio
   torch 2.13. They have no autograd and no vmap batching rule, so they are used only for plain tensors that need no
   graph. They walk a leaf's param, gradient and state as flat arrays of one layout, so every tensor must be
   contiguous (a strided view would be written past its elements, a transposed param read against a contiguous
-  gradient). ``fadam.step`` uses them for the aliases that match a fused kernel.
+  gradient). ``fadam._torch_kernels`` recognizes the chains they compute; ``fadam._execute.torch_ready`` is their
+  per-leaf precondition.
 - *generated kernels* (``fadam._execute``, ``fadam._cpu_kernel``): C++ compiled from a chain's declared
   per-element math, for any chain, on plain contiguous float32/float64 CPU tensors; ``fadam._execute.ready`` is
-  their precondition and ``fadam._execute.fast_step`` tries torch's fused kernels first, then them.
+  their precondition; ``fadam._execute`` picks torch's fused kernels first, then them, group by group.
 
 Measured on a 2-core CPU with torch 2.13 (benchmarks/bench_adam.py): the out-of-place ``torch._foreach_*`` ops are
 slower than a per-leaf loop on CPU (93 ms vs 40 ms for a pure Adam step over 200 tensors of 84k elements), so the pure
@@ -23,7 +24,6 @@ path loops over leaves; the fused kernel is 4x faster than either.
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -179,11 +179,3 @@ def can_fuse(tensors: Iterable[torch.Tensor | None]) -> bool:
 def real_view(tensor: torch.Tensor) -> torch.Tensor:
     """``view_as_real`` for complex tensors, the tensor itself otherwise (torch.optim's treatment of complex params)."""
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
-
-
-def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``tensors`` grouped by (device, dtype): fused and foreach kernels take one group per call."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for index, tensor in enumerate(tensors):
-        groups[(tensor.device, tensor.dtype)].append(index)
-    return dict(groups)

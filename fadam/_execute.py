@@ -5,12 +5,15 @@ a new one unless it comes first (its reduction reads the segment's input, which 
 opaque stage. A masked stage (``masked``, ``partition``) applies to the leaves its mask selects; within a segment,
 leaves are grouped by the stages that apply to them, and each group runs those. ``fadam.step`` runs each segment:
 
+- *torch's fused kernel* (``fadam._torch_kernels``), where the program is one segment and a group's stages are one of
+  the chains it computes, on the leaves ``torch_ready`` admits (CPU or CUDA): one call per device and dtype;
 - *generated kernel* (``fadam._cpu_kernel``): one call per group for all the leaves that may take it: plain CPU
   tensors that autograd does not record, contiguous, float32 or float64 (complex ones as pairs of reals), with the
   gradient and every slot in the param's dtype; the last segment also adds the update to the param;
 - *eager*: the declarations' bodies on torch ops, for the other leaves, and every leaf of an opaque stage.
 
-``refusal`` is the one place that decides, leaf by leaf, and gives the reason a leaf does not take the kernel. A
+``torch_ready`` and ``ready`` decide, leaf by leaf, and ``refusal`` gives the reason a leaf does not take the
+generated kernel. A
 donated step's aliasing is checked before (``fadam.step``), for all leaves at once.
 """
 
@@ -24,10 +27,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
+from torch._C._functorch import maybe_current_level as _current_level
 
 from fadam._base import add_update
 from fadam._cpu_kernel import KERNEL_DTYPES, Quantized, load, weight_scalars
-from fadam._dispatch import PLAIN_TYPES, functorch_wrapped, is_plain, real_view
+from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, real_view
 from fadam._program import (
     Elementwise,
     Program,
@@ -42,7 +46,8 @@ from fadam._program import (
     trace,
     with_state_at,
 )
-from fadam._tree import PyTree, check_leaves, tree_paths
+from fadam._torch_kernels import shape_of, torch_kernel
+from fadam._tree import PyTree, _order_like, check_leaves, tree_paths
 from fadam.combinators._masking import _select
 from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise, slot_map
 
@@ -55,9 +60,9 @@ _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
 @contextlib.contextmanager
 def backend(name: str) -> Iterator[None]:
     """Runs the steps and updates inside the block on one backend: ``"auto"`` (the default: torch's fused kernel
-    where an alias matches one, else the generated kernel where the leaves allow it, else eager), ``"eager"`` (torch
-    ops only: the reference) or ``"kernel"`` (the generated kernel where the leaves allow it, never torch's fused
-    kernels). The choice holds for the current thread (and task) only.
+    where a group's stages are one of its chains, else the generated kernel where the leaves allow it, else eager),
+    ``"eager"`` (torch ops only: the reference) or ``"kernel"`` (the generated kernel where the leaves allow it,
+    never torch's fused kernels). The choice holds for the current thread (and task) only.
 
     Example:
         >>> import torch, fadam
@@ -125,25 +130,29 @@ def ready(
     if u is None:
         return False
     dtype = p.dtype
-    if dtype not in _KERNEL_PARAM_DTYPES or (p.dim() == 0 and dtype != torch.float64):
+    zero_dim = p.dim() == 0
+    if dtype not in _KERNEL_PARAM_DTYPES or (zero_dim and dtype is not torch.float64):
         return False
-    wrapped, strided = _functorch_wrapped, torch.strided
+    # a tensor can be wrapped only inside a torch.func transform: asked once, not per tensor
+    wrapped = _functorch_wrapped if _current_level() is not None else None
+    strided = torch.strided
     # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
-    slot_dtypes = (dtype,) if p.is_complex() or p.dim() == 0 else KERNEL_DTYPES
+    slot_dtypes = (dtype,) if zero_dim or p.is_complex() else KERNEL_DTYPES
     for number, tensor in enumerate((p, u, *slots)):
-        if type(tensor) is QuantizedArray:
-            if p.dim() == 0 or not _quantized_ready(tensor, p, storage, grad_enabled):
+        kind = type(tensor)
+        if kind is QuantizedArray:
+            if zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled):
                 return False
             continue
         if (
-            type(tensor) not in PLAIN_TYPES
-            or (tensor.dtype != dtype and (number < 2 or tensor.dtype not in slot_dtypes))
+            kind not in PLAIN_TYPES
+            or (tensor.dtype is not dtype and (number < 2 or tensor.dtype not in slot_dtypes))
             or not tensor.is_cpu
-            or tensor.layout != strided
+            or tensor.layout is not strided
             or (grad_enabled and tensor.requires_grad)
             or not tensor.is_contiguous()
-            or wrapped(tensor)
+            or (wrapped is not None and wrapped(tensor))
         ):
             return False
     return True
@@ -169,6 +178,35 @@ def _quantized_ready(q: QuantizedArray, p: torch.Tensor, storage: Storage | None
             or (grad_enabled and tensor.requires_grad)
             or not tensor.is_contiguous()
             or _functorch_wrapped(tensor)
+        ):
+            return False
+    return True
+
+
+_TORCH_KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool) -> bool:
+    """Whether a leaf can take one of torch's fused kernels (``fadam._torch_kernels``): the param, its update and its
+    slots plain contiguous tensors of one dtype that the kernels take, on one CPU or CUDA device, that autograd does not
+    record. The kernels walk each leaf's tensors as flat arrays of one layout, so a strided view would be written past
+    its elements."""
+    if u is None:
+        return False
+    dtype, device = p.dtype, p.device
+    if device.type not in _TORCH_KERNEL_DEVICES or real_view(p).dtype not in FUSED_DTYPES:
+        return False
+    wrapped = _functorch_wrapped if _current_level() is not None else None
+    strided, on_cpu = torch.strided, device.type == "cpu"
+    for tensor in (p, u, *slots):
+        if (
+            type(tensor) not in PLAIN_TYPES
+            or tensor.dtype is not dtype
+            or (not tensor.is_cpu if on_cpu else tensor.device != device)
+            or tensor.layout is not strided
+            or (grad_enabled and tensor.requires_grad)
+            or not tensor.is_contiguous()
+            or (wrapped is not None and wrapped(tensor))
         ):
             return False
     return True
@@ -252,13 +290,23 @@ def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> di
             references = [leaf for leaf, keep in zip(param_leaves, selected) if keep]
         else:  # no mask: every leaf, in the params' order
             selected, like, positions, references = everything, spec, every_position, param_leaves
-        if any(optree.tree_structure(tree, is_leaf=_is_quantized, none_is_leaf=True) != like for tree in trees):
+        slots = [_slot_leaves(tree, like) for tree in trees]
+        if any(slot is None for slot in slots):
             return None
-        slots = [like.flatten_up_to(tree) for tree in trees]
         if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
             return None
         found[stage.path] = _StageLeaves(selected, slots, positions, like)
     return found
+
+
+def _slot_leaves(tree: PyTree, like: Any) -> list[Any] | None:
+    """A slot tree's leaves in the order of ``like`` (the params' structure), where it is the same tree or differs
+    only in its kinds of mapping (a state made from a dict, params given as an OrderedDict); else ``None``."""
+    leaves, spec = optree.tree_flatten(tree, is_leaf=_is_quantized, none_is_leaf=True)
+    if spec == like:
+        return leaves
+    order = _order_like(spec, like)
+    return None if order is None else [leaves[i] for i in order]
 
 
 def _is_quantized(node: Any) -> bool:
@@ -319,8 +367,11 @@ def run_update(program: Program, updates: PyTree, state: PyTree, params: PyTree 
 def _run(
     program: Program, grads: PyTree, state: PyTree, params: PyTree | None, donate: bool, applies: bool
 ) -> tuple[_Step, PyTree, Any] | None:
+    # mismatched gradients are named here, as fadam.step's own check; a state of another layout is left to the
+    # transforms' updates, which name what they expected
+    what = "grads" if applies else "updates"
+    grad_leaves, param_leaves, spec = check_leaves(grads, grads if params is None else params, what=what)
     try:
-        grad_leaves, param_leaves, spec = check_leaves(grads, grads if params is None else params, what="grads")
         program, state = program.expanded(state)
         if params is None:
             if any(s.decl is not None and s.decl.uses_params for s in program.stages):
@@ -333,7 +384,7 @@ def _run(
     if params is not None and any(g is not None and g.dtype != p.dtype for g, p in zip(grad_leaves, param_leaves)):
         return None
     parts = segments(program)
-    if stage_leaves is None or not _any_kernel_leaf(parts, param_leaves, grad_leaves, stage_leaves):
+    if stage_leaves is None or not _any_fast_leaf(parts, param_leaves, grad_leaves, stage_leaves, applies):
         return None
     step = _Step(list(param_leaves), list(grad_leaves), list(param_leaves), [False] * len(param_leaves), stage_leaves)
     for number, part in enumerate(parts):
@@ -342,7 +393,8 @@ def _run(
             step.updates[:], new_state = _run_opaque(stage, spec, step.updates, state_at(state, stage.path), params)
             state = with_state_at(state, stage.path, new_state)
         else:
-            state = _run_segment(part, state, step, applies and number == len(parts) - 1, donate)
+            last = number == len(parts) - 1
+            state = _run_segment(part, state, step, applies and last, donate, whole=len(parts) == 1)
     return step, state, spec
 
 
@@ -359,22 +411,29 @@ def _run_opaque(stage: Stage, spec: Any, updates: Leaves, state: Any, params: Py
 
 
 def fast_step(tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
-    """``tx``'s step by the fastest backend these tensors allow: torch's fused kernel where ``tx`` is an alias that
-    matches one, else its program with the generated kernel; ``None`` where neither applies to any leaf (the caller
-    runs ``update`` and ``apply_updates``)."""
-    # while torch.compile traces, the fused steps decide for themselves (paging runs outside the graph) and the
-    # program is left to inductor, which fuses the traced update
+    """``tx``'s step by the fastest backend these tensors allow (``fadam.backend`` says which may run): a wrapper's own
+    step (``FusibleUpdate``), else its program, where each group of leaves takes torch's fused kernel, the generated
+    kernel or eager ops; ``None`` where no leaf takes a kernel (the caller runs ``update`` and ``apply_updates``)."""
+    # while torch.compile traces, a wrapper's step decides for itself (paging runs outside the graph) and the program
+    # is left to inductor, which fuses the traced update
     compiling = torch.compiler.is_compiling()
-    chosen = "auto" if compiling else _backend.get()
-    if chosen == "eager":
+    if not compiling and _backend.get() == "eager":
         return None
     fused_step = getattr(tx.update, "fused_step", None)
-    if fused_step is not None and chosen == "auto":
+    if fused_step is not None:
         result = fused_step(params, grads, state, donate)
         if result is not None:
             return result
     program = getattr(tx.update, "program", None)
     return None if program is None or compiling else run_step(program, params, grads, state, donate)
+
+
+def _segment_slots(part: Segment, leaves: dict[tuple, _StageLeaves], count: int) -> list[list[Any]]:
+    """Every leaf's slot leaves in ``part`` (``_slots_of`` for each of ``count`` leaves)."""
+    if any(stage.selections for stage in part.stages):
+        return [_slots_of(part, leaves, i) for i in range(count)]
+    columns = [slot for stage in part.stages for slot in leaves[stage.path].slots]
+    return [list(row) for row in zip(*columns)] if columns else [[] for _ in range(count)]
 
 
 def _slots_of(part: Segment, leaves: dict[tuple, _StageLeaves], i: int) -> list[torch.Tensor]:
@@ -387,20 +446,38 @@ def _slots_of(part: Segment, leaves: dict[tuple, _StageLeaves], i: int) -> list[
     return found
 
 
-def _any_kernel_leaf(parts: list[Segment], params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves]) -> bool:
-    if torch.compiler.is_compiling():  # ctypes calls cannot be traced
+def _any_fast_leaf(
+    parts: list[Segment], params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves], applies: bool
+) -> bool:
+    """Whether a leaf may take a kernel: the generated one in the first declared segment, or torch's in the last."""
+    if torch.compiler.is_compiling():  # ctypes calls cannot be traced; inductor fuses the traced update itself
         return False
     grad_enabled = torch.is_grad_enabled()
     first = next((part for part in parts if not part.opaque), None)
-    return first is not None and any(
+    if first is None:
+        return False
+    if any(
         ready(g if p is None else p, g, _slots_of(first, leaves, i), grad_enabled, first.storage)
         for i, (p, g) in enumerate(zip(params, grads))
+    ):
+        return True
+    last = parts[-1]
+    return (
+        applies
+        and len(parts) == 1
+        and _backend.get() == "auto"
+        and not last.opaque
+        and shape_of(tuple(stage.decl for stage in last.stages)) is not None
+        and any(
+            torch_ready(p, g, _slots_of(last, leaves, i), grad_enabled) for i, (p, g) in enumerate(zip(params, grads))
+        )
     )
 
 
-def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: bool) -> Any:
+def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: bool, whole: bool) -> Any:
     """Runs one declared segment on every leaf (updating ``step``'s lists); returns the state with the segment's
-    stages advanced."""
+    stages advanced. Torch's fused kernels take a group only where the segment is the ``whole`` program: they step
+    from the gradients, as torch.optim does."""
     grad_enabled = torch.is_grad_enabled()
     stage_states = [state_at(state, stage.path) for stage in part.stages]
     entries = [step.leaves[stage.path] for stage in part.stages]
@@ -417,12 +494,18 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         for i in range(len(step.params)):
             groups.setdefault(tuple(entry.selected[i] for entry in entries), []).append(i)
     new_slots = [[list(slot) for slot in entry.slots] for entry in entries]
+    torch_first = applies and whole and not eager_only and _backend.get() == "auto"
+    slot_rows = _segment_slots(part, step.leaves, len(step.params)) if not eager_only else []
     for applying, members in groups.items():
         chosen = [k for k, flag in enumerate(applying) if flag]
+        if torch_first and chosen:
+            members = _run_torch_kernel(
+                part, chosen, stage_states, scalars, members, slot_rows, step, new_slots, donate
+            )
         kernel: dict[int, list[Any]] = {}  # the leaves that take the kernel -> their slot leaves
         if not eager_only and chosen:
             for i in members:
-                slots = _slots_of(part, step.leaves, i)
+                slots = slot_rows[i]
                 if ready(_reference(step, i), step.updates[i], slots, grad_enabled, storage):
                     kernel[i] = slots
         if kernel:
@@ -435,6 +518,58 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         trees = [entry.spec.unflatten(leaves) for leaves in slots]
         state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees, found))
     return state
+
+
+def _run_torch_kernel(
+    part: Segment,
+    chosen: list[int],
+    stage_states: list[Any],
+    scalars: list[dict],
+    members: list[int],
+    slot_rows: list[list[Any]],
+    step: _Step,
+    new_slots: list,
+    donate: bool,
+) -> list[int]:
+    """Runs torch's fused kernel for the stages ``chosen`` of ``part``, if they are its chain, on the leaves of
+    ``members`` that allow it (``torch_ready``), one call per device and dtype; returns the other members."""
+    decls = tuple(part.stages[k].decl for k in chosen)
+    if shape_of(decls) is None:
+        return members
+    grad_enabled = torch.is_grad_enabled()
+    by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in members:
+        p = step.params[i]
+        if torch_ready(p, step.updates[i], slot_rows[i], grad_enabled):
+            by_place.setdefault((p.device, p.dtype), []).append(i)
+    taken: set[int] = set()
+    for (device, dtype), group in by_place.items():
+        found = torch_kernel(decls, [stage_states[k] for k in chosen], [scalars[k] for k in chosen], device.type)
+        if found is None or (dtype.is_complex and not found.takes_complex):
+            continue
+        params = [step.params[i] if donate else step.params[i].clone() for i in group]
+        slots = [slot_rows[i] if donate else [t.clone() for t in slot_rows[i]] for i in group]
+        lists = [params, [step.updates[i] for i in group], *map(list, zip(*slots))]
+        if dtype.is_complex:
+            lists = [[real_view(t) for t in tensors] for tensors in lists]
+        with torch.no_grad():
+            found.run(device, *lists)
+        _store(part, chosen, step, new_slots, group, slots)
+        for i, p in zip(group, params):
+            step.new_params[i], step.applied[i], step.updates[i] = p, True, None
+        taken.update(group)
+    return [i for i in members if i not in taken]
+
+
+def _store(part: Segment, chosen: list[int], step: _Step, new_slots: list, group: list[int], outputs: list) -> None:
+    """Puts each leaf of ``group``'s new slot leaves (``outputs``, in ``_slots_of``'s order) into ``new_slots``."""
+    targets = [(new_slots[k], step.leaves[part.stages[k].path].position) for k in chosen if new_slots[k]]
+    for i, leaves in zip(group, outputs):
+        found = iter(leaves)
+        for slots, position in targets:
+            where = position[i]
+            for slot in slots:
+                slot[where] = next(found)
 
 
 def _reference(step: _Step, i: int) -> torch.Tensor | None:
@@ -495,17 +630,20 @@ def _run_kernel(
     values = scalar_values([scalars[k] for k in chosen], traced.graph)
     leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
     slot_specs = [slot for decl in decls for slot in decl.slots]
-    # the inputs' dtypes (a quantized slot's: float32) and which slots are quantized -> the leaves
-    by_layout: dict[tuple[tuple[torch.dtype, ...], tuple[bool, ...]], list[int]] = {}
+    # the leaves by the dtypes the kernel reads (a complex leaf's: its reals'), a quantized slot marked as such
+    by_layout: dict[tuple, list[int]] = {}
+    real = _REAL.get
     for i, slot_leaves in members.items():
-        stored = tuple(type(leaf) is QuantizedArray for leaf in slot_leaves)
-        dtype = real_view(_reference(step, i)).dtype
-        slot_dtypes = tuple(torch.float32 if q else real_view(leaf).dtype for leaf, q in zip(slot_leaves, stored))
-        inputs = (dtype, *([dtype] if traced.reads_params else []), *slot_dtypes)
-        by_layout.setdefault((inputs, stored), []).append(i)
+        dtype = _reference(step, i).dtype
+        slot_dtypes = [_QUANTIZED if type(t) is QuantizedArray else real(t.dtype, t.dtype) for t in slot_leaves]
+        by_layout.setdefault((real(dtype, dtype), *slot_dtypes), []).append(i)
     rounded_tensors = _tensor_weights(traced, [scalars[k] for k in chosen])
-    for (dtypes, stored), group in by_layout.items():
-        storage = part.storage
+    storage = part.storage
+    for key, group in by_layout.items():
+        dtype, slot_dtypes = key[0], key[1:]
+        stored = tuple(d is _QUANTIZED for d in slot_dtypes)
+        slot_dtypes = tuple(torch.float32 if q else d for d, q in zip(slot_dtypes, stored))
+        dtypes = (dtype, *([dtype] if traced.reads_params else []), *slot_dtypes)
         formats = tuple(
             Quantized(storage.bits, storage.block, slot_map(slot.nonnegative, storage.bits)) if quantized else None
             for slot, quantized in zip(slot_specs, stored)
@@ -515,31 +653,32 @@ def _run_kernel(
         if kernel is None:
             _run_eager(part, chosen, scalars, group, step, new_slots)
             continue
-        rows, written, leaf_values = [], [], []
-        quantized_group = any(stored)
+        rows, outputs, finals, leaf_values = [], [], [], []
+        quantized_group, reads_params = any(stored), traced.reads_params
         for i in group:
             p, u = step.params[i], step.updates[i]
             if leaf_reducing:  # a leaf reduction runs first in its segment, on the segment's input
                 own = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
                 leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
-            where = [(k, step.leaves[part.stages[k].path].position[i]) for k in chosen]
             slot_in = members[i]
             slot_out = slot_in if donate else [_empty_like(t) for t in slot_in]
             final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
-            pointed = (*_pointed(slot_in), *_pointed(slot_out)) if quantized_group else (*slot_in, *slot_out)
-            row = [u, *([p] if traced.reads_params else []), *pointed, final]
+            pointed = [*_pointed(slot_in), *_pointed(slot_out)] if quantized_group else [*slot_in, *slot_out]
+            row = [u, p, *pointed, final] if reads_params else [u, *pointed, final]
             rows.append([real_view(t) for t in row] if u.is_complex() else row)
-            written.append((where, slot_out, final))
+            outputs.append(slot_out)
+            finals.append(final)
         kernel.run(rows, values, leaf_values)
-        for i, (where, slot_out, final) in zip(group, written):
-            outputs = iter(slot_out)
-            for k, w in where:
-                for slot in new_slots[k]:
-                    slot[w] = next(outputs)
+        _store(part, chosen, step, new_slots, group, outputs)
+        for i, final in zip(group, finals):
             if applies:
                 step.new_params[i], step.applied[i], step.updates[i] = final, True, None
             else:
                 step.updates[i] = final
+
+
+_QUANTIZED = object()  # stands for a quantized slot's dtype in ``_run_kernel``'s layouts
+_REAL = {torch.complex64: torch.float32, torch.complex128: torch.float64}  # complex leaves run as pairs of reals
 
 
 def _tensor_weights(traced: Any, scalars: list[dict]) -> bool:
@@ -585,12 +724,16 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     grads = grads if grads is not None else optree.tree_map(torch.zeros_like, params)
     state = state if state is not None else tx.init(params)
     lines = []
-    fused_step = getattr(tx.update, "fused_step", None)
-    if fused_step is not None and _backend.get() == "auto":
-        # the alias's torch kernel serves a whole step or none of it: tried on copies, as fadam.step tries it first
-        if fused_step(params, grads, state, False) is not None:
-            return f"torch's fused kernel: all {len(tree_paths(params))} leaves"
-        lines.append("torch's fused kernel: declined for these tensors or hyperparameters; the program runs:")
+    if getattr(tx.update, "fused_step", None) is not None and _backend.get() != "eager":
+        name = _opaque_name(Stage(None, (), tx))
+        inner = getattr(tx.update, "inner", None)
+        if inner is None:
+            return f"{name}: its own step, which runs its inner transform by the fastest backend its tensors allow"
+        inner_tx, field = inner
+        found = explain(inner_tx, params, grads, getattr(state, field))
+        return "\n".join(
+            [f"{name}: its own step, then its inner transform's:", *("  " + line for line in found.split("\n"))]
+        )
     program, state = program_of(tx).expanded(state)
     paths = tree_paths(params)
     grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
@@ -617,6 +760,11 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
             if not names:
                 continue  # its mask leaves the leaf out of every stage here
             slots = _slots_of(part, leaves, i)
+            if len(parts) == 1 and not recorded and _backend.get() == "auto":
+                kernel = _torch_kernel_for(part, chosen, state, scalars, p, g, slots, grad_enabled)
+                if kernel is not None:
+                    groups.setdefault((names, kernel), []).append(paths[i])
+                    continue
             reason = refusal(p, g, slots, grad_enabled, part.storage)
             if reason is None and recorded:
                 reason = "a hyperparameter that autograd or torch.func records"
@@ -632,8 +780,28 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     return "\n".join(lines)
 
 
+def _torch_kernel_for(
+    part: Segment,
+    chosen: list[int],
+    state: Any,
+    scalars: list[dict],
+    p: torch.Tensor,
+    g: torch.Tensor | None,
+    slots: list[Any],
+    grad_enabled: bool,
+) -> str | None:
+    """The name of torch's fused kernel that a leaf takes in the last segment, as ``_run_torch_kernel`` decides."""
+    decls = tuple(part.stages[k].decl for k in chosen)
+    if shape_of(decls) is None or not torch_ready(p, g, slots, grad_enabled):
+        return None
+    states = [state_at(state, part.stages[k].path) for k in chosen]
+    found = torch_kernel(decls, states, [scalars[k] for k in chosen], p.device.type)
+    return None if found is None or (p.is_complex() and not found.takes_complex) else found.name
+
+
 def _opaque_name(stage: Stage) -> str:
     """A readable name for an opaque stage: where its state sits, and its update function's name."""
     update = stage.tx.update if stage.tx is not None else None
+    update = getattr(update, "_update", update)  # the function a FusibleUpdate or ProgramUpdate calls
     name = getattr(update, "__qualname__", "update").split(".<locals>")[0]
     return f"{name} (state at {list(stage.path)})" if stage.path else name

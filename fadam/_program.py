@@ -73,6 +73,12 @@ class Elementwise(NamedTuple):
     reduce: Callable[[list[torch.Tensor | None]], Scalars] | None = None
     reduce_leaf: Callable[[torch.Tensor, torch.Tensor | None], Scalars] | None = None
     carried: tuple[Carried, ...] = ()  # state fields after the count, before the slots
+    # the hyperparameters by name, as given to the factory: what recognizes a run of declarations that one of torch's
+    # fused kernels computes (fadam._torch_kernels)
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str) -> Any:
+        return dict(self.options)[name]
 
     @property
     def reduces(self) -> bool:

@@ -10,8 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from fadam._base import FusibleUpdate, GradientTransformation, ScalarOrSchedule
-from fadam._fused import fused_adagrad_step, fused_adam_step, fused_sgd_step
+from fadam._base import GradientTransformation, ScalarOrSchedule
 from fadam._tree import PyTree
 from fadam.combinators._chain import chain
 from fadam.transforms._adam import scale_by_adam
@@ -127,19 +126,7 @@ def adam(
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
     members = [*head, adam_tx, scale_by_learning_rate(lr)]
     tx = chain(*members)
-    fused = fused_adam_step(
-        members=len(members),
-        adam_index=len(head),
-        lr=lr,
-        b1=betas[0],
-        b2=betas[1],
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled=False,
-    )
-    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+    return tx
 
 
 def adamw(
@@ -188,19 +175,7 @@ def adamw(
     adam_tx = scale_by_adam(betas[0], betas[1], eps, amsgrad=amsgrad, moment_requires_grad=moment_requires_grad)
     members = [*head, adam_tx, scale_by_learning_rate(lr), *_tail(lr, weight_decay, decoupled=True)]
     tx = chain(*members)
-    fused = fused_adam_step(
-        members=len(members),
-        adam_index=len(head),
-        lr=lr,
-        b1=betas[0],
-        b2=betas[1],
-        eps=eps,
-        weight_decay=weight_decay,
-        amsgrad=amsgrad,
-        maximize=maximize,
-        decoupled=True,
-    )
-    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+    return tx
 
 
 def sgd(
@@ -246,22 +221,10 @@ def sgd(
     transforms = [scale(-1.0)] if maximize else []
     if _has_decay(weight_decay):
         transforms.append(add_decayed_weights(weight_decay))
-    trace_index = None
     if isinstance(momentum, torch.Tensor) or momentum != 0:  # a tensor momentum may be learned away from 0
-        trace_index = len(transforms)
         transforms.append(trace(momentum, nesterov, dampening=dampening, moment_requires_grad=moment_requires_grad))
     tx = chain(*transforms, scale_by_learning_rate(lr))
-    fused = fused_sgd_step(
-        members=len(transforms) + 1,
-        trace_index=trace_index,
-        lr=lr,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-    )
-    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+    return tx
 
 
 def _head(maximize: bool, weight_decay: float | torch.Tensor, decoupled: bool = False) -> list[GradientTransformation]:
@@ -511,16 +474,7 @@ def adagrad(
         scale_by_rss(initial_accumulator_value, eps, eps_in_sqrt=False),
         scale_by_learning_rate(_decayed_lr(lr, lr_decay)),
     )
-    fused = fused_adagrad_step(
-        members=len(head) + 2,
-        rss_index=len(head),
-        lr=lr,
-        lr_decay=lr_decay,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=maximize,
-    )
-    return GradientTransformation(tx.init, FusibleUpdate(tx.update, fused))
+    return tx
 
 
 def adamax(

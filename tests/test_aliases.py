@@ -463,12 +463,17 @@ def test_adam_takes_betas_as_two_floats_or_two_tensors_with_the_same_steps(make)
 
 @pytest.mark.parametrize(("make", "torch_cls", "kwargs"), _cases())
 def test_step_dispatches_to_fused_kernel_for_plain_tensors(make, torch_cls, kwargs):
-    """The parity test's ``fadam.step`` runs really went through torch's fused kernels, and fall back when they must."""
+    """The parity test's ``fadam.step`` runs really went through torch's fused kernels, leaf by leaf: a param without a
+    gradient is left out, tensors that autograd records run eagerly."""
     tx = make(**kwargs)
     params, grads = _problem(torch.float32, kwargs["maximize"], steps=1)
-    state = tx.init(params)
-    assert tx.update.fused_step(params, grads[0], state, False) is not None
-    with_none = {**grads[0], "b": None}  # a skipped param: the general path
-    assert tx.update.fused_step(params, with_none, state, False) is None
-    tracked = {k: v.clone().requires_grad_() for k, v in params.items()}  # autograd must see the step
-    assert tx.update.fused_step(tracked, grads[0], tx.init(tracked), False) is None
+    # AdamW without weight decay is Adam: the same kernel's numbers
+    decoupled = make is fadam.adamw and kwargs["weight_decay"]
+    kernel = {fadam.adam: "torch._fused_adam_", fadam.adamw: "torch._fused_adam_", fadam.sgd: "torch._fused_sgd_"}
+    kernel[fadam.adamw] = "torch._fused_adamw_" if decoupled else kernel[fadam.adamw]
+    report = fadam.explain(tx, params, grads[0]).splitlines()
+    assert len(report) == 1 and report[0].endswith(f": {kernel[make]}: ['b'], ['s'], ['w']"), report
+    report = fadam.explain(tx, params, {**grads[0], "b": None})
+    assert f"{kernel[make]}: ['s'], ['w']" in report and "eager: no gradient: ['b']" in report, report
+    tracked = {k: v.clone().requires_grad_() for k, v in params.items()}
+    assert "torch._fused" not in fadam.explain(tx, tracked, grads[0])

@@ -114,7 +114,7 @@ def test_step_with_extra_args_runs_the_chain():
 
 
 def test_fusible_update_is_the_chain_update():
-    tx = fadam.sgd(0.5, momentum=0.9)
+    tx = fadam.apply_if_finite(fadam.sgd(0.5, momentum=0.9), 3)
     assert isinstance(tx.update, fadam.FusibleUpdate) and callable(tx.update.fused_step)
     params = [torch.ones(2)]
     updates, _ = tx.update([torch.ones(2)], tx.init(params), params)

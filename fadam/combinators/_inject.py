@@ -9,10 +9,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fadam._base import FusibleUpdate, GradientTransformation
+from fadam._base import GradientTransformation
 from fadam._dispatch import is_plain
 from fadam._numerics import safe_increment, zero_count
-from fadam._program import Program, Stage, program_of
+from fadam._program import Program, ProgramUpdate, Stage, program_of
 from fadam._tree import PyTree
 from fadam.transforms._validation import check_state
 
@@ -97,10 +97,10 @@ def inject_hyperparams(
     over an int, which stays floating (never truncated). On an ordinary eager step the factory receives values given
     as Python numbers back as Python numbers (read from their CPU tensors, no device sync), so the wrapped optimizer
     is bit-identical to the plain one; under autograd, ``torch.func`` or ``torch.compile`` it receives the tensors.
-    ``fadam.step`` still runs the inner alias's fused kernel when it has one. A hyperparameter whose value decides
-    the structure of the factory's chain (``adam``'s ``weight_decay`` of 0 adds no decay transform) keeps that
-    structure from ``init``: change it only between values of the same kind, or name it in ``static_args`` under
-    ``torch.compile``.
+    ``fadam.step`` runs the inner transform's program, torch's fused kernel included where the inner alias is one. A
+    hyperparameter whose value decides the structure of the factory's chain (``adam``'s ``weight_decay`` of 0 adds
+    no decay transform) keeps that structure from ``init``: change it only between values of the same kind, or name
+    it in ``static_args`` under ``torch.compile``.
 
     Args:
         inner_factory: a function returning a ``GradientTransformation``, such as ``fadam.adam``.
@@ -225,25 +225,13 @@ def inject_hyperparams(
             updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
             return updates, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
 
-        def fused_step(
-            params: PyTree, grads: PyTree, state: InjectHyperparamsState, donate: bool
-        ) -> tuple[PyTree, InjectHyperparamsState] | None:
-            inner, hyperparams = current(state)
-            inner_fused = getattr(inner.update, "fused_step", None)
-            result = None if inner_fused is None else inner_fused(params, grads, state.inner_state, donate)
-            if result is None:
-                return None
-            new_params, inner_state = result
-            return new_params, InjectHyperparamsState(safe_increment(state.count), hyperparams, inner_state)
-
         def expand(state: InjectHyperparamsState) -> tuple[Program, str, InjectHyperparamsState]:
             inner, hyperparams = current(state)
             advanced = InjectHyperparamsState(safe_increment(state.count), hyperparams, state.inner_state)
             return program_of(inner), "inner_state", advanced
 
-        fusible = FusibleUpdate(update, fused_step)
-        fusible.program = Program((Stage(None, (), GradientTransformation(init, update), expand=expand),))
-        return GradientTransformation(init, fusible)
+        program = Program((Stage(None, (), GradientTransformation(init, update), expand=expand),))
+        return GradientTransformation(init, ProgramUpdate(update, program))
 
     return wrapped
 

@@ -149,23 +149,23 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     def fused_step(
         params: PyTree, grads: PyTree, state: ApplyIfFiniteState, donate: bool
     ) -> tuple[PyTree, ApplyIfFiniteState] | None:
-        """``fadam.step``: the inner alias's fused kernel on a finite step; params returned as they are on a skip."""
-        inner_fused = getattr(inner.update, "fused_step", None)
-        if inner_fused is None:
-            return None
+        """``fadam.step``: a finite step steps the inner transform by its fastest backend; a skipped one returns the
+        params as they are."""
+        from fadam._execute import fast_step  # the executor builds on the combinators
+
         finite, notfinite_count, total, apply = decide(grads, state)
         decided = _host_bool(apply)
         if decided is None:
             return None
         if not decided:
             return params, ApplyIfFiniteState(notfinite_count, finite, total, state.inner_state)
-        result = inner_fused(params, grads, state.inner_state, donate)
+        result = fast_step(inner, params, grads, state.inner_state, donate)
         if result is None:
             return None
         new_params, inner_state = result
         return new_params, ApplyIfFiniteState(notfinite_count, finite, total, inner_state)
 
-    return GradientTransformation(init, FusibleUpdate(update, fused_step))
+    return GradientTransformation(init, FusibleUpdate(update, fused_step, (inner, "inner_state")))
 
 
 def skip_not_finite(updates: PyTree, gradient_step: torch.Tensor, params: PyTree | None) -> tuple[torch.Tensor, dict]:
@@ -379,11 +379,12 @@ class MultiSteps:
     def _fused_step(
         self, params: PyTree, grads: PyTree, state: MultiStepsState, donate: bool
     ) -> tuple[PyTree, MultiStepsState] | None:
-        """``fadam.step``: a mini-step only accumulates (params returned as they are, no ``p + 0`` copy); the k-th runs
-        the inner alias's fused kernel on the accumulated gradient. ``None`` (general path) when the inner transform
-        has no fused step, a skip function is set, or the decision cannot be read for free."""
-        inner_fused = getattr(self.inner_opt.update, "fused_step", None)
-        if inner_fused is None or self._should_skip is not None:
+        """``fadam.step``: a mini-step only accumulates (params returned as they are, no ``p + 0`` copy); the k-th steps
+        the inner transform by its fastest backend on the accumulated gradient. ``None`` (general path) when a skip
+        function is set or the decision cannot be read for free."""
+        from fadam._execute import fast_step  # the executor builds on the combinators
+
+        if self._should_skip is not None:
             return None
         decided = _host_bool(self._emit(state))
         if decided is None:
@@ -395,7 +396,8 @@ class MultiSteps:
             return params, MultiStepsState(
                 safe_increment(state.mini_step), state.gradient_step, state.inner_opt_state, acc_tree, ()
             )
-        result = inner_fused(params, self._as_grads(new_accs, grad_leaves, spec), state.inner_opt_state, donate)
+        grads = self._as_grads(new_accs, grad_leaves, spec)
+        result = fast_step(self.inner_opt, params, grads, state.inner_opt_state, donate)
         if result is None:
             return None
         new_params, inner_state = result
@@ -406,8 +408,10 @@ class MultiSteps:
         return (state.mini_step == 0) & (state.gradient_step > 0)
 
     def gradient_transformation(self) -> GradientTransformation:
-        """``GradientTransformation(init, update)``; ``fadam.step`` on it uses the inner alias's fused kernel."""
-        return GradientTransformation(self.init, FusibleUpdate(self.update, self._fused_step))
+        """``GradientTransformation(init, update)``; ``fadam.step`` on it steps the inner transform by its fastest
+        backend."""
+        inner = (self.inner_opt, "inner_opt_state")
+        return GradientTransformation(self.init, FusibleUpdate(self.update, self._fused_step, inner))
 
 
 class ZeroNansState(NamedTuple):

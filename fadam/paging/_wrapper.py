@@ -369,10 +369,10 @@ def page_state(
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
     be retried from the state before it (a skipped step); a state older than that is refused as stale. ``fadam.step``
-    applies each chunk's updates as soon as they are computed, so with ``per_leaf=True`` the full update tree is never
-    materialized either, and runs the inner alias's fused kernel per chunk when the unpaged step would; with
-    ``donate=True`` a host state is updated in its own buffers (the caller gave it up), while a disk state still goes
-    to the other copy (the file must stay consistent).
+    applies each chunk's updates as soon as they are computed, so with ``per_leaf=True`` the full update tree is
+    never materialized either, and steps each chunk by the backend the unpaged step would take (torch's fused
+    kernel, the generated kernel); with ``donate=True`` a host state is updated in its own buffers (the caller gave
+    it up), while a disk state still goes to the other copy (the file must stay consistent).
 
     **DTensor params (FSDP2).** The storage holds each rank's local shard of a DTensor state leaf, and the layout
     keeps its mesh, placements and global shape, so a chunk streams in as DTensors laid out as ``inner`` made them;

@@ -137,4 +137,12 @@ def scale_by_adam(
     if amsgrad:
         slots += (Slot("nu_max", nu_dtype, moment_requires_grad, nonnegative=True),)
     state_type = ScaleByAmsgradState if amsgrad else ScaleByAdamState
-    return elementwise(Elementwise("scale_by_adam", state_type, slots, True, prologue, body))
+    options = (
+        ("b1", b1),
+        ("b2", b2),
+        ("eps", eps),
+        ("eps_root", eps_root),
+        ("amsgrad", amsgrad),
+        ("nesterov", nesterov),
+    )
+    return elementwise(Elementwise("scale_by_adam", state_type, slots, True, prologue, body, options=options))

@@ -45,7 +45,16 @@ def add_decayed_weights(
 
     state_type = ScaleByScheduleState if schedule else EmptyState
     tx = elementwise(
-        Elementwise("add_decayed_weights", state_type, (), schedule is not None, prologue, body, uses_params=True)
+        Elementwise(
+            "add_decayed_weights",
+            state_type,
+            (),
+            schedule is not None,
+            prologue,
+            body,
+            uses_params=True,
+            options=(("weight_decay", weight_decay),),
+        )
     )
     return tx if mask is None else masked(tx, mask)
 
@@ -91,5 +100,14 @@ def add_decoupled_weight_decay(
 
     state_type = ScaleByScheduleState if counted else EmptyState
     return elementwise(
-        Elementwise("add_decoupled_weight_decay", state_type, (), counted, prologue, body, uses_params=True)
+        Elementwise(
+            "add_decoupled_weight_decay",
+            state_type,
+            (),
+            counted,
+            prologue,
+            body,
+            uses_params=True,
+            options=(("learning_rate", learning_rate), ("weight_decay", weight_decay)),
+        )
     )

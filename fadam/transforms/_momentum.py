@@ -77,7 +77,8 @@ def trace(
         return (o.add_scaled(g, t, s.decay) if nesterov else t), t
 
     slot = Slot("trace", accumulator_dtype, moment_requires_grad)
-    return elementwise(Elementwise("trace", TraceState, (slot,), True, prologue, body))
+    options = (("decay", decay), ("nesterov", nesterov), ("dampening", dampening))
+    return elementwise(Elementwise("trace", TraceState, (slot,), True, prologue, body, options=options))
 
 
 class EmaState(NamedTuple):

@@ -177,5 +177,6 @@ def scale_by_rss(
         return (o.where(total > 0, u, 0.0) if eps_in_sqrt else u), total
 
     slots = (Slot("sum_of_squares", nonnegative=True),)  # the initial value is checked non-negative
-    decl = Elementwise("scale_by_rss", ScaleByRssState, slots, False, prologue, body)
+    options = (("initial_accumulator_value", initial_accumulator_value), ("eps", eps), ("eps_in_sqrt", eps_in_sqrt))
+    decl = Elementwise("scale_by_rss", ScaleByRssState, slots, False, prologue, body, options=options)
     return _declared(decl, init)

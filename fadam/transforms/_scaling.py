@@ -16,9 +16,15 @@ def _scale_body(o: Any, s: Any, g: Any, p: Any) -> tuple:
     return (g * s.step_size,)
 
 
-def scaling(name: str, factor: Callable[[], float | torch.Tensor]) -> GradientTransformation:
+def scaling(
+    name: str, factor: Callable[[], float | torch.Tensor], options: tuple[tuple[str, Any], ...] = ()
+) -> GradientTransformation:
     """A stateless transform multiplying updates by ``factor()``, read at each update."""
-    return elementwise(Elementwise(name, EmptyState, (), False, lambda count: {"step_size": factor()}, _scale_body))
+
+    def prologue(count: None) -> dict[str, float | torch.Tensor]:
+        return {"step_size": factor()}
+
+    return elementwise(Elementwise(name, EmptyState, (), False, prologue, _scale_body, options=options))
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -33,7 +39,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
         [tensor([-2., -2.])]
     """
 
-    return scaling("scale", lambda: step_size)
+    return scaling("scale", lambda: step_size, (("step_size", step_size),))
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -54,16 +60,16 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
         [tensor([0.5000])]
     """
 
-    return elementwise(
-        Elementwise(
-            "scale_by_schedule",
-            ScaleByScheduleState,
-            (),
-            True,
-            lambda count: {"step_size": step_size_fn(count)},
-            _scale_body,
-        )
-    )
+    return _scheduled_scaling("scale_by_schedule", step_size_fn)
+
+
+def _scheduled_scaling(
+    name: str, step_size_fn: Schedule, options: tuple[tuple[str, Any], ...] = ()
+) -> GradientTransformation:
+    def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
+        return {"step_size": step_size_fn(count)}
+
+    return elementwise(Elementwise(name, ScaleByScheduleState, (), True, prologue, _scale_body, options=options))
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -79,9 +85,10 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         [tensor([-0.1000])]
     """
     sign = -1.0 if flip_sign else 1.0
+    options = (("learning_rate", learning_rate), ("flip_sign", flip_sign))
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: sign * learning_rate(count))
+        return _scheduled_scaling("scale_by_learning_rate", lambda count: sign * learning_rate(count), options)
     check_non_negative("learning rate", learning_rate)
     # negated at each update: a negated tensor built here would be one graph node shared by every use of the
     # transform, freed by the first backward (a learned lr reused across outer iterations would then fail)
-    return scaling("scale_by_learning_rate", lambda: sign * learning_rate)
+    return scaling("scale_by_learning_rate", lambda: sign * learning_rate, options)
