@@ -20,6 +20,7 @@ from fadam._base import GradientTransformation, step
 from fadam._dispatch import first_overlap
 from fadam._execute import backend
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
+from fadam.aliases import adam, adamw
 from fadam.quantization import QuantizedArray
 from fadam.transforms._adadelta import ScaleByAdadeltaState
 from fadam.transforms._adafactor_torch import ScaleByAdafactorTorchState
@@ -308,6 +309,20 @@ def _recipe(factory: Callable[..., Any], given: Iterable[str] = ()) -> tuple[_Re
     return _Recipe(factory, lr_name, (*defaults, *unknown)), defaults
 
 
+def _lr_default(recipe: _Recipe) -> float | torch.Tensor:
+    """The default learning rate of a factory (``fadam.adam``'s 1e-3, torch.optim.Adam's); raises without one."""
+    try:
+        default = inspect.signature(recipe.factory).parameters[recipe.lr_name].default
+    except (TypeError, ValueError, KeyError):
+        default = inspect.Parameter.empty
+    if default is inspect.Parameter.empty or default is None or callable(default):
+        raise ValueError(
+            f"{_factory_name(recipe.factory)} has no default learning rate, and a transform factory needs one: pass "
+            "lr= to fadam.Optimizer or the group"
+        )
+    return default
+
+
 def _option_values(group: dict[str, Any], recipe: _Recipe, where: str) -> dict[str, Any]:
     missing = [name for name in recipe.names if name not in group]
     if missing:
@@ -399,6 +414,22 @@ def _check_flags(group: dict[str, Any], where: str) -> None:
             )
 
 
+def _check_tensor_options(group: dict[str, Any], spec: Any) -> None:
+    """torch.optim's checks of a tensor ``lr`` (one element), and of ``fadam.adam``'s and ``fadam.adamw``'s tensor
+    ``lr`` and ``betas`` with ``foreach=True``, which torch.optim.Adam and AdamW refuse unless ``capturable``: a
+    drop-in refuses what the class it stands for refuses, with its messages."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if getattr(spec, "func", spec) not in (adam, adamw) or not group["foreach"] or group["capturable"]:
+        return
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+    betas = group.get("betas")
+    if isinstance(betas, (tuple, list)) and betas and isinstance(betas[0], torch.Tensor):
+        raise ValueError("betas[0] as a Tensor is not supported for capturable=False and foreach=True")
+
+
 def _backend_of(group: dict[str, Any]) -> str:
     """The fadam backend that stands for the group's torch.optim implementation flags: ``fused`` torch's fused
     kernel where the alias has one, else fadam's generated kernel ("auto"); ``foreach`` one call over all the group's
@@ -460,7 +491,7 @@ class Optimizer(torch.optim.Optimizer):
     - a **factory** (``fadam.adamw``, ``functools.partial(fadam.sgd, momentum=0.9)``, any callable taking ``lr``,
       or ``learning_rate`` as ``fadam.sign_sgd`` does): it is built with a learning-rate schedule that reads the
       group's current ``lr``. Exact: this is the way to follow a torch.optim optimizer and its scheduler step for
-      step. Needs ``lr``.
+      step. Without ``lr``, the factory's default (``fadam.adam``'s 1e-3, as ``torch.optim.Adam``'s).
     - a transform whose state holds injected hyperparameters (``fadam.inject_hyperparams``) with a ``learning_rate``
       or ``lr`` entry: the group's ``lr`` is written there before each step (and read from there by default).
     - any other transform: fadam cannot read the learning rate it was built with, so ``lr`` must be given and be that
@@ -526,7 +557,8 @@ class Optimizer(torch.optim.Optimizer):
     Args:
         params: params, named params or param-group dicts (keys ``params``, optional ``tx``, ``lr`` and options).
         tx: a ``GradientTransformation`` or a factory ``tx(lr=..., **options) -> GradientTransformation``.
-        lr: the learning rate of groups that do not set one (for a ready transform: the one it was built with).
+        lr: the learning rate of groups that do not set one (for a ready transform: the one it was built with;
+            for a factory, its default if not given).
         foreach: torch.optim's ``foreach``: ``True`` for fadam's generated kernel, ``False`` for torch ops per param.
         fused: torch.optim's ``fused``: ``True`` for the fused kernels, ``False`` for torch ops per param.
         capturable: torch.optim's ``capturable``; CPU params only.
@@ -627,6 +659,7 @@ class Optimizer(torch.optim.Optimizer):
         spec = group.pop("tx")
         try:
             _check_flags(group, f"param group {len(self.param_groups) - 1}")
+            _check_tensor_options(group, spec)
             tx, mode, state, recipe, values = self._setup(group, spec, lr_given)
             if len(self.param_groups) > 1 and any(_minimizes(t) for t in (*self._txs, tx)):
                 raise ValueError("LBFGS doesn't support per-parameter options (parameter groups)")
@@ -684,9 +717,9 @@ class Optimizer(torch.optim.Optimizer):
                 raise ValueError("lr 0 cannot be the base a ready-made transform is rescaled from; pass a factory")
             return spec, "rescale", state, None, {}
         if callable(spec):
-            if group["lr"] is None:
-                raise ValueError("a transform factory needs a learning rate: pass lr= to fadam.Optimizer or the group")
             recipe = _recipe(spec, self._shared_options if spec is self.defaults["tx"] else ())[0]
+            if group["lr"] is None:  # the factory's default, as torch.optim's classes have theirs
+                group["lr"] = _lr_default(recipe)
             values = _option_values(group, recipe, where)
             tx = _build(recipe, values, group, where)
             # options a default resolves (fadam.lbfgs's max_eval), written into the group as torch.optim does

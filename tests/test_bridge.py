@@ -237,8 +237,9 @@ def test_a_group_without_gradients_is_left_alone():
 
 def test_bad_arguments_raise():
     model = _model()
-    with pytest.raises(ValueError, match="needs a learning rate"):
-        fadam.Optimizer(model.parameters(), fadam.adam)
+    with pytest.raises(ValueError, match="no default learning rate, and a transform factory needs one"):
+        fadam.Optimizer(model.parameters(), lambda lr, momentum=0.9: fadam.sgd(lr, momentum))
+    assert fadam.Optimizer(model.parameters(), fadam.adam).param_groups[0]["lr"] == 1e-3  # torch.optim.Adam's
     with pytest.raises(TypeError, match="GradientTransformation or a factory"):
         fadam.Optimizer(model.parameters(), 0.1)
     with pytest.raises(ValueError, match="lr 0 cannot be the base"):

@@ -9,7 +9,7 @@ import torch
 from fadam._base import GradientTransformation, ScalarOrSchedule
 from fadam._numerics import for_leaf, host_number, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._validation import check_state
+from fadam.transforms._validation import UnsupportedParamsError, check_state
 
 
 class ScaleByAdafactorTorchState(NamedTuple):
@@ -44,7 +44,7 @@ def _stat(p: torch.Tensor | None, part: str) -> torch.Tensor | None:
     if p is None:
         return None
     if p.is_complex():
-        raise ValueError("Adafactor does not support complex parameters")
+        raise UnsupportedParamsError("Adafactor does not support complex parameters")
     if (p.dim() > 1) == (part == "variance"):
         return p.new_zeros(1)
     shape = list(p.shape)

@@ -14,7 +14,7 @@ from fadam._dispatch import is_dtensor
 from fadam._program import Elementwise, Slot, elementwise
 from fadam._tree import PyTree, check_params, tree_flatten, tree_paths
 from fadam.combinators._chain import chain
-from fadam.transforms._validation import check_non_negative
+from fadam.transforms._validation import UnsupportedParamsError, check_non_negative
 
 # the quintic's coefficients of Jordan et al. (and torch.optim.Muon's defaults)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -92,11 +92,14 @@ def check_matrix(leaf: torch.Tensor, path: str, what: str) -> None:
     """Refuses a leaf Muon cannot orthogonalise, naming its path."""
     if leaf.dim() != 2:
         raise ValueError(
-            f"Muon takes 2-D matrices only: {what} {path} has shape {tuple(leaf.shape)}; give it to another transform "
+            f"Muon only supports 2D parameters whereas we found a parameter with size: {leaf.size()} (it takes 2-D "
+            f"matrices only: {what} {path} has shape {tuple(leaf.shape)}); give it to another transform "
             "(fadam.muon_with_adamw, fadam.partition)"
         )
     if leaf.is_complex():
-        raise ValueError(f"Muon takes real matrices only: {what} {path} is {leaf.dtype}")
+        raise UnsupportedParamsError(
+            f"Muon does not support complex parameters (it takes real matrices only: {what} {path} is {leaf.dtype})"
+        )
 
 
 def _orthogonalised(u: torch.Tensor, coefficients: tuple, steps: int, eps: float, adjust: str | None) -> torch.Tensor:
@@ -158,7 +161,10 @@ def check_muon_args(
     if not 0 <= ns_steps < 100:
         raise ValueError(f"Invalid ns_steps: {ns_steps} (expected 0 <= ns_steps < 100)")
     if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (expected one of {ADJUST_LR_FNS})")
+        raise ValueError(
+            f"Invalid adjust_lr_fn: Adjust learning rate function {adjust_lr_fn} is not supported (expected one of "
+            f"{ADJUST_LR_FNS})"
+        )
 
 
 def scale_by_muon(

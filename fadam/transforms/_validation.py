@@ -7,6 +7,11 @@ import torch
 from fadam._dispatch import functorch_wrapped
 
 
+class UnsupportedParamsError(ValueError, RuntimeError):
+    """A param a transform cannot step (a complex one for Muon or torch's Adafactor): a ``ValueError``, as fadam
+    refuses it when the state is initialized, and a ``RuntimeError``, as torch.optim refuses it at its step."""
+
+
 def _value(x: float | torch.Tensor, name: str) -> float:
     if isinstance(x, torch.Tensor):
         # inside vmap/grad or while compiling the value cannot be read without a graph break; it is checked outside
