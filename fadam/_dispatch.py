@@ -24,14 +24,12 @@ path loops over leaves; the fused kernel is 4x faster than either.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import optree
 import torch
 from torch._C import _functorch
 
-FUSED_DEVICE_TYPES = ("cpu", "cuda")  # plain_on_fused_devices asks is_cpu and is_cuda
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -139,41 +137,6 @@ def _overlap_in_storage(users: list[tuple[int, int, torch.Tensor]]) -> tuple[tup
         if written and (furthest_written is None or end > furthest_written[0]):
             furthest_written = (end, leaf)
     return None
-
-
-def plain_on_fused_devices(tensors: Sequence[torch.Tensor | None]) -> bool:
-    """Whether every tensor is present, plain (``is_plain``), contiguous and on a fused device: what a fused kernel
-    needs of each tensor it walks. One leaf's check costs little, but a step checks several per leaf, so tracing and
-    grad mode are asked once for all of them."""
-    if torch.compiler.is_compiling():  # functorch_wrapped's answer while tracing
-        return False
-    grad_enabled = torch.is_grad_enabled()
-    wrapped = _functorch.is_functorch_wrapped_tensor
-    return all(
-        tensor is not None
-        and type(tensor) in PLAIN_TYPES
-        and tensor.layout == torch.strided
-        and not wrapped(tensor)
-        and not (grad_enabled and tensor.requires_grad)
-        and tensor.is_contiguous()
-        and (tensor.is_cpu or tensor.is_cuda)  # FUSED_DEVICE_TYPES
-        for tensor in tensors
-    )
-
-
-def can_fuse(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """Whether an in-place fused kernel may run on these tensors (none missing, all plain and contiguous, on a fused
-    device, of a fused dtype)."""
-    tensors = tuple(tensors)
-    if not plain_on_fused_devices(tensors):
-        return False
-    for tensor in tensors:
-        dtype = tensor.dtype
-        if dtype.is_complex:
-            dtype = torch.empty((), dtype=dtype).real.dtype
-        if dtype not in FUSED_DTYPES:
-            return False
-    return True
 
 
 def real_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 import fadam
-from fadam._dispatch import can_fuse, first_overlap, is_plain, plain_on_fused_devices
+from fadam._dispatch import first_overlap, is_plain
+from fadam._execute import torch_ready
 
 
 def test_parameters_are_plain_only_when_autograd_does_not_track_them():
     p = torch.nn.Parameter(torch.ones(2))
     assert not is_plain(p)  # requires grad, grad mode on
+    assert not torch_ready(p, torch.ones(2), [], torch.is_grad_enabled())
     with torch.no_grad():
-        assert is_plain(p) and can_fuse([p])
+        assert is_plain(p) and torch_ready(p, torch.ones(2), [], torch.is_grad_enabled())
     assert not is_plain(torch.ones(2).to_sparse())
 
 
@@ -42,13 +44,15 @@ def test_donating_step_updates_module_parameters_in_place_like_torch_optim():
 
 def test_fused_kernels_take_contiguous_tensors_only():
     """A fused kernel walks each tensor as a flat array: a strided view or a transpose would be read and written in
-    the wrong places, so every selector the fused paths ask refuses it."""
+    the wrong places, so the selector refuses it, as param, gradient or state."""
     base = torch.zeros(4, 6)
-    assert can_fuse([base]) and plain_on_fused_devices([base])
+    assert torch_ready(base, torch.zeros(4, 6), [torch.zeros(4, 6)], True)
     for strided in (base[:, ::2], base.t(), base[:, :3]):
-        assert not can_fuse([base, strided])
-        assert not plain_on_fused_devices([base, strided])
-    assert can_fuse([base[1:3], base[3]])  # contiguous views of a bigger buffer
+        like = torch.zeros(strided.shape)
+        assert not torch_ready(strided, like, [like.clone()], True)
+        assert not torch_ready(like, strided, [like.clone()], True)
+        assert not torch_ready(like, like.clone(), [strided], True)
+    assert torch_ready(base[1:3], torch.zeros(2, 6), [base[3:]], True)  # contiguous views of a bigger buffer
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 from torch._C import _functorch
 
 from fadam._base import FusibleUpdate, GradientTransformation, add_update
-from fadam._dispatch import can_fuse, can_write_in_place, is_dtensor
+from fadam._dispatch import can_write_in_place, is_dtensor
 from fadam._execute import fast_step
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._storage import (
@@ -584,7 +584,7 @@ def page_state(
         # applies each chunk's updates as soon as they exist, so the full update tree is never materialized
         if not per_leaf:
             return None
-        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+        _, param_leaves, spec = check_leaves(grads, params, what="grads")
         new_params = list(param_leaves)
 
         def apply(group: list[int], chunk_updates: list[torch.Tensor | None]) -> None:
@@ -595,20 +595,15 @@ def page_state(
                 # a DTensor's local shard is written in place
                 new_params[i] = add_update(p, u, in_place=donate and can_write_in_place(p))
 
+        # each chunk's leaves take the backends they would take unpaged (the executor decides leaf by leaf), so the
+        # numbers are the unpaged step's
         fast = getattr(inner.update, "fused_step", None) or getattr(inner.update, "program", None)
-        if (
-            fast is None
-            or not can_fuse([*param_leaves, *grad_leaves])
-            or any(p.dtype != g.dtype for p, g in zip(param_leaves, grad_leaves))
-        ):
-            # the unpaged step would take the general path for every leaf: so do all chunks, to round alike
-            fast = None
 
         def fused(group: list[int], grads_k: list[Any], chunk: _Fetched) -> PyTree | None:
             # the inner step's fastest backend (torch._fused_adam_, a generated kernel) steps this chunk in place, on
             # state we own
             params_k = [param_leaves[i] for i in group]
-            if not donate:  # (every param is a plain tensor: ``can_fuse`` said so above)
+            if not donate:
                 params_k = [p.clone() for p in params_k]
             result = fast_step(inner, params_k, grads_k, chunk.owned(), True)
             if result is None:

@@ -1,0 +1,177 @@
+"""Torch's fused kernels chosen from the program (``fadam._torch_kernels``): which chains are recognized, wherever
+they come from, and that the steps they take are torch.optim's ``fused=True`` steps bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import fadam
+
+
+def _params() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(7, 5, generator=gen), "b": torch.randn(5, generator=gen)}
+
+
+def _grads(steps: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [{k: torch.randn(v.shape, generator=gen) for k, v in _params().items()} for _ in range(steps)]
+
+
+def _kernels(tx: fadam.GradientTransformation) -> list[str]:
+    """The backend of each line of ``explain``, one line per group of leaves."""
+    return [line.split(": ")[1] for line in fadam.explain(tx, _params()).splitlines()]
+
+
+RECOGNIZED = {
+    "adam": (lambda: fadam.adam(1e-2), ["torch._fused_adam_"]),
+    "adam-decay-maximize-amsgrad": (
+        lambda: fadam.adam(1e-2, weight_decay=0.1, maximize=True, amsgrad=True),
+        ["torch._fused_adam_"],
+    ),
+    "adamw": (lambda: fadam.adamw(1e-2), ["torch._fused_adamw_"]),
+    "adamw-schedule": (lambda: fadam.adamw(fadam.linear_schedule(1e-2, 1e-3, 10)), ["torch._fused_adamw_"]),
+    "sgd": (lambda: fadam.sgd(0.1), ["torch._fused_sgd_"]),
+    "sgd-nesterov-decay": (
+        lambda: fadam.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+        ["torch._fused_sgd_"],
+    ),
+    "adagrad": (lambda: fadam.adagrad(0.1, lr_decay=0.01), ["torch._fused_adagrad_"]),
+    "composed-adamw": (
+        lambda: fadam.chain(
+            fadam.scale_by_adam(), fadam.scale_by_learning_rate(1e-2), fadam.add_decoupled_weight_decay(1e-2, 0.1)
+        ),
+        ["torch._fused_adamw_"],
+    ),
+    "inject_hyperparams": (lambda: fadam.inject_hyperparams(fadam.adamw)(lr=1e-2), ["torch._fused_adamw_"]),
+    "partition": (
+        lambda: fadam.partition({"a": fadam.adam(1e-2), "s": fadam.sgd(0.1)}, {"w": "a", "b": "s"}),
+        ["torch._fused_adam_", "torch._fused_sgd_"],
+    ),
+}
+
+KERNEL = "generated CPU kernel"
+NOT_RECOGNIZED = {
+    "adam-nesterov": lambda: fadam.chain(fadam.scale_by_adam(nesterov=True), fadam.scale_by_learning_rate(1e-2)),
+    "adam-eps_root": lambda: fadam.chain(fadam.scale_by_adam(eps_root=1e-8), fadam.scale_by_learning_rate(1e-2)),
+    "adam-tensor-betas": lambda: fadam.adam(1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999))),
+    "decay-of-another-lr": lambda: fadam.chain(
+        fadam.scale_by_adam(), fadam.scale_by_learning_rate(1e-2), fadam.add_decoupled_weight_decay(2e-2, 0.1)
+    ),
+    "ascent": lambda: fadam.chain(fadam.scale_by_adam(), fadam.scale_by_learning_rate(1e-2, flip_sign=False)),
+    "clip-then-adamw": lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.adamw(1e-2)),
+    "decay-after-adam": lambda: fadam.chain(
+        fadam.scale_by_adam(), fadam.add_decayed_weights(0.1), fadam.scale_by_learning_rate(1e-2)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", RECOGNIZED)
+def test_a_chain_of_a_torch_kernel_takes_it(name):
+    make, expected = RECOGNIZED[name]
+    assert _kernels(make()) == expected
+    with fadam.backend("kernel"):
+        assert set(_kernels(make())) == {KERNEL}
+
+
+@pytest.mark.parametrize("name", NOT_RECOGNIZED)
+def test_another_chain_takes_the_generated_kernel(name):
+    assert set(_kernels(NOT_RECOGNIZED[name]())) == {KERNEL}
+
+
+def _torch_run(make: Callable[[list], torch.optim.Optimizer], params: dict, grads: list, keys: list[str]) -> dict:
+    """The params after torch.optim's steps over the leaves named in ``keys``, the others kept."""
+    tensors = {k: v.clone() for k, v in params.items()}
+    optimizer = make([tensors[k] for k in keys])
+    for g in grads:
+        for k in keys:
+            tensors[k].grad = g[k].clone()
+        optimizer.step()
+    return tensors
+
+
+def _fadam_run(tx: fadam.GradientTransformation, params: dict, grads: list, donate: bool) -> dict:
+    current = {k: v.clone() for k, v in params.items()}
+    state = tx.init(current)
+    for g in grads:
+        current, state = fadam.step(tx, current, g, state, donate=donate)
+    return current
+
+
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+SAME_AS_TORCH = {
+    "composed-adamw": (
+        lambda: fadam.chain(
+            fadam.scale_by_adam(), fadam.scale_by_learning_rate(1e-2), fadam.add_decoupled_weight_decay(1e-2, 0.1)
+        ),
+        lambda p: torch.optim.AdamW(p, fused=True, **ADAMW),
+        ["w", "b"],
+    ),
+    "inject_hyperparams-adamw": (
+        lambda: fadam.inject_hyperparams(fadam.adamw)(**ADAMW),
+        lambda p: torch.optim.AdamW(p, fused=True, **ADAMW),
+        ["w", "b"],
+    ),
+    "apply_if_finite-sgd": (
+        lambda: fadam.apply_if_finite(fadam.sgd(0.1, momentum=0.9, nesterov=True), 3),
+        lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, nesterov=True, fused=True),
+        ["w", "b"],
+    ),
+}
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("name", SAME_AS_TORCH)
+def test_steps_equal_torch_fused_bit_for_bit(name, donate):
+    make, make_torch, keys = SAME_AS_TORCH[name]
+    params, grads = _params(), _grads(10)
+    ours, theirs = _fadam_run(make(), params, grads, donate), _torch_run(make_torch, params, grads, keys)
+    for k in params:
+        assert torch.equal(ours[k], theirs[k]), k
+
+
+def test_partition_steps_each_group_with_its_kernel_as_torch():
+    params, grads = _params(), _grads(10)
+    tx = fadam.partition({"a": fadam.adamw(**ADAMW), "s": fadam.sgd(0.1, momentum=0.9)}, {"w": "a", "b": "s"})
+    ours = _fadam_run(tx, params, grads, donate=True)
+    adamw = _torch_run(lambda p: torch.optim.AdamW(p, fused=True, **ADAMW), params, grads, ["w"])
+    sgd = _torch_run(lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, fused=True), params, grads, ["b"])
+    assert torch.equal(ours["w"], adamw["w"]) and torch.equal(ours["b"], sgd["b"])
+
+
+def test_masked_steps_the_selected_leaves_as_torch_and_passes_the_others():
+    params, grads = _params(), _grads(10)
+    ours = _fadam_run(fadam.masked(fadam.adamw(**ADAMW), {"w": True, "b": False}), params, grads, donate=True)
+    adamw = _torch_run(lambda p: torch.optim.AdamW(p, fused=True, **ADAMW), params, grads, ["w"])
+    passed = params["b"]
+    for g in grads:  # masked leaves' updates are the gradients as they came (optax's masked)
+        passed = passed + g["b"]
+    assert torch.equal(ours["w"], adamw["w"]) and torch.equal(ours["b"], passed)
+
+
+def test_a_param_without_a_gradient_is_left_as_it_is():
+    params, grads = _params(), _grads(1)
+    tx = fadam.adamw(**ADAMW)
+    state = tx.init(params)
+    new_params, new_state = fadam.step(tx, params, {**grads[0], "b": None}, state)
+    torch_params = _torch_run(lambda p: torch.optim.AdamW(p, fused=True, **ADAMW), params, grads, ["w"])
+    assert torch.equal(new_params["w"], torch_params["w"]) and torch.equal(new_params["b"], params["b"])
+    assert torch.equal(new_state[0].mu["b"], state[0].mu["b"]) and torch.equal(new_state[0].nu["b"], state[0].nu["b"])
+
+
+def test_a_schedule_of_the_learning_rate_is_read_each_step():
+    schedule = fadam.linear_schedule(1e-2, 1e-3, 5)
+    params, grads = _params(), _grads(6)
+    ours = _fadam_run(fadam.adamw(schedule, weight_decay=0.1), params, grads, donate=True)
+    tensors = {k: v.clone() for k, v in params.items()}
+    optimizer = torch.optim.AdamW(list(tensors.values()), fused=True, weight_decay=0.1)
+    for step, g in enumerate(grads):
+        optimizer.param_groups[0]["lr"] = float(schedule(torch.tensor(step)))
+        for k in tensors:
+            tensors[k].grad = g[k].clone()
+        optimizer.step()
+    for k in params:
+        assert torch.equal(ours[k], tensors[k]), k
