@@ -59,7 +59,7 @@ UNALIGNED_CASES: dict[str, Callable[[], fadam.GradientTransformation]] = {
 # lamb: per-leaf norms for its trust ratio; adafactor: row/column means over a sharded dim add the ranks' partial sums;
 # mars: per-leaf norms for its clipping; sam-sgd: normalize's global norm (prodigy adds its sums in float64, whose
 # rounding does not reach its float32 updates here)
-GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb", "adafactor", "mars-all-leaves", "sam-sgd"}
+GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb", "adafactor", "mars-all-leaves", "sam-sgd", "lars-nesterov"}
 # optimizers whose state reduces a param over a dim: a statistic that reduced a sharded dim (or a 1-element
 # placeholder) is replicated on the params' mesh instead of sharded like the param
 REPLICATED_STATE_CASES = {"adafactor"}

@@ -23,8 +23,9 @@ from tests.conformance.table import ALL_ROWS
 from tests.test_purity import FACTORIES, HANDLE_STATE, REAL_ONLY, _params
 from tests.tree_checks import max_rel_err, tensor_leaves
 
-# branches on the loss's values (line search, stopping tests): refused under torch.func, checked below
-VALUE_BRANCHING = {"lbfgs"}
+# branches on the loss's values (line search, stopping tests), or seeds a generator from its state: refused under
+# torch.func, checked below
+VALUE_BRANCHING = {"lbfgs", "noisy_sgd", "add_noise"}
 TRANSFORMS = [
     pytest.param(builder, name not in REAL_ONLY, id=f"{name}-{index}")
     for name, builders in FACTORIES.items()
@@ -37,6 +38,14 @@ HANDLE_TRANSFORMS = [
     if name in HANDLE_STATE
     for index, builder in enumerate(builders)
 ] + [pytest.param(row.build, id=f"row-{row.name}") for row in ALL_ROWS if not row.value_state]
+
+
+@pytest.mark.parametrize("make", [lambda: fadam.add_noise(0.01, 0.55, key=1), lambda: fadam.noisy_sgd(1e-2, key=0)])
+def test_noise_refuses_torch_func_clearly(make):
+    tx = make()
+    stacked = fadam.tree_map(lambda p: torch.stack([p, p]), _double(_params(complex_leaf=False)))
+    with pytest.raises(ValueError, match=r"add_noise cannot run under torch\.func"):
+        vmap(tx.update)(stacked, vmap(tx.init)(stacked), stacked)
 
 
 def test_lbfgs_refuses_torch_func_clearly():

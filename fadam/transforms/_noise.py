@@ -78,6 +78,9 @@ def add_noise(
         updates: PyTree, state: AddNoiseState, params: PyTree | None = None, **_: object
     ) -> tuple[PyTree, AddNoiseState]:
         check_state(state, AddNoiseState, "add_noise")
+        if torch._C._functorch.maybe_current_level() is not None:
+            # the key is read on the host to seed a torch.Generator, which torch.func cannot batch or differentiate
+            raise ValueError("add_noise cannot run under torch.func (vmap, grad): its key seeds a torch.Generator")
         steps = safe_increment(state.count)
         standard_deviation = torch.sqrt(eta / steps.to(torch.float64) ** gamma)
         generator = torch.Generator().manual_seed(int(state.rng_key))
