@@ -803,5 +803,5 @@ def _opaque_name(stage: Stage) -> str:
     """A readable name for an opaque stage: where its state sits, and its update function's name."""
     update = stage.tx.update if stage.tx is not None else None
     update = getattr(update, "_update", update)  # the function a FusibleUpdate or ProgramUpdate calls
-    name = getattr(update, "__qualname__", "update").split(".<locals>")[0]
+    name = getattr(update, "__qualname__", "update").split(".<locals>")[0].removesuffix(".update")
     return f"{name} (state at {list(stage.path)})" if stage.path else name
