@@ -422,7 +422,10 @@ def _decayed_lr(lr: ScalarOrSchedule, lr_decay: float) -> ScalarOrSchedule:
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         base = lr(count) if callable(lr) else lr
-        return base / (1 + count.to(torch.float64) * lr_decay)
+        # a quotient of two tensors: ``float / tensor`` multiplies by the reciprocal, an ulp away from torch's
+        return torch.as_tensor(base, dtype=torch.float64, device=count.device) / (
+            1 + count.to(torch.float64) * lr_decay
+        )
 
     return schedule
 

@@ -56,7 +56,7 @@ FACTORIES: dict[type[torch.optim.Optimizer], Callable[..., fadam.GradientTransfo
 INFOS = [info for info in common_optimizers.optim_db if info.optim_cls in FACTORIES]
 CHECKS = ("steps", "state_dict", "from_torch", "deepcopy", "param_groups", "complex")
 FLAGS = ("foreach", "fused", "capturable", "differentiable")
-STEPS = 3  # steps compared with torch's
+STEPS = 4  # steps compared with torch's
 BEFORE, AFTER = 2, 1  # steps before a checkpoint (or a copy) and after it
 SLOW = (torch.optim.LBFGS,)  # up to 25 loss evaluations a step: fewer steps
 RTOL = 1e-10
