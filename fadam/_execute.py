@@ -133,29 +133,40 @@ def ready(
     zero_dim = p.dim() == 0
     if dtype not in _KERNEL_PARAM_DTYPES or (zero_dim and dtype is not torch.float64):
         return False
-    # a tensor can be wrapped only inside a torch.func transform: asked once, not per tensor
-    wrapped = _functorch_wrapped if _current_level() is not None else None
-    strided = torch.strided
+    wrapped = _wrapped_check()
     # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
     slot_dtypes = (dtype,) if zero_dim or p.is_complex() else KERNEL_DTYPES
     for number, tensor in enumerate((p, u, *slots)):
-        kind = type(tensor)
-        if kind is QuantizedArray:
+        if type(tensor) is QuantizedArray:
             if zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled):
                 return False
             continue
         if (
-            kind not in PLAIN_TYPES
+            not _walkable(tensor, grad_enabled, wrapped)
             or (tensor.dtype is not dtype and (number < 2 or tensor.dtype not in slot_dtypes))
             or not tensor.is_cpu
-            or tensor.layout is not strided
-            or (grad_enabled and tensor.requires_grad)
-            or not tensor.is_contiguous()
-            or (wrapped is not None and wrapped(tensor))
         ):
             return False
     return True
+
+
+def _wrapped_check() -> Any:
+    """``torch.func``'s check of a wrapped tensor, or ``None`` outside its transforms, where no tensor is wrapped (asked
+    once a leaf, not once a tensor)."""
+    return _functorch_wrapped if _current_level() is not None else None
+
+
+def _walkable(tensor: Any, grad_enabled: bool, wrapped: Any) -> bool:
+    """A plain dense contiguous tensor that autograd does not record and ``torch.func`` does not wrap: what a kernel
+    may walk as a flat array."""
+    return (
+        type(tensor) in PLAIN_TYPES
+        and tensor.layout is torch.strided
+        and not (grad_enabled and tensor.requires_grad)
+        and tensor.is_contiguous()
+        and not (wrapped is not None and wrapped(tensor))
+    )
 
 
 _CODE_PARTS = ((torch.uint8, 1), (torch.float32, 1), (torch.uint8, 0))  # codes, absmax, map_id: dtype, dims
@@ -167,17 +178,15 @@ def _quantized_ready(q: QuantizedArray, p: torch.Tensor, storage: Storage | None
     if storage is None or p.dtype not in KERNEL_DTYPES:
         return False
     sizes = expected_sizes(p.numel(), storage.bits, storage.block)
+    wrapped = _wrapped_check()
     for tensor, (dtype, dims), size in zip(q[:3], _CODE_PARTS, (*sizes, 1)):
         if (
-            type(tensor) not in PLAIN_TYPES
-            or tensor.dtype != dtype
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dtype is not dtype
             or tensor.dim() != dims
             or tensor.numel() != size
             or not tensor.is_cpu
-            or tensor.layout != torch.strided
-            or (grad_enabled and tensor.requires_grad)
-            or not tensor.is_contiguous()
-            or _functorch_wrapped(tensor)
+            or not _walkable(tensor, grad_enabled, wrapped)
         ):
             return False
     return True
@@ -196,17 +205,13 @@ def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_
     dtype, device = p.dtype, p.device
     if device.type not in _TORCH_KERNEL_DEVICES or real_view(p).dtype not in FUSED_DTYPES:
         return False
-    wrapped = _functorch_wrapped if _current_level() is not None else None
-    strided, on_cpu = torch.strided, device.type == "cpu"
+    wrapped, on_cpu = _wrapped_check(), device.type == "cpu"
     for tensor in (p, u, *slots):
         if (
-            type(tensor) not in PLAIN_TYPES
+            not isinstance(tensor, torch.Tensor)
             or tensor.dtype is not dtype
             or (not tensor.is_cpu if on_cpu else tensor.device != device)
-            or tensor.layout is not strided
-            or (grad_enabled and tensor.requires_grad)
-            or not tensor.is_contiguous()
-            or (wrapped is not None and wrapped(tensor))
+            or not _walkable(tensor, grad_enabled, wrapped)
         ):
             return False
     return True
