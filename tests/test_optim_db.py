@@ -3,7 +3,8 @@
 
 For each class fadam has a drop-in for, each of torch's inputs (``optim_inputs_func(device="cpu")``) is taken as it
 is and with each implementation flag the OptimizerInfo says the class has (``foreach``, ``fused`` where its fused
-kernel runs on the CPU, ``differentiable``, ``capturable``). Each (class, input, check) is one test:
+kernel runs on the CPU, ``differentiable``, ``capturable``). Each (class, input, check) is one test (with a flag, only
+the checks of the numbers: ``steps``, ``state_dict`` and ``complex``):
 
 - ``steps``: a few steps of a small float64 MLP give torch's params (within 1e-10 relative; bit for bit with
   ``fused``, where fadam runs torch's fused kernel);
@@ -56,6 +57,9 @@ FACTORIES: dict[type[torch.optim.Optimizer], Callable[..., fadam.GradientTransfo
 INFOS = [info for info in common_optimizers.optim_db if info.optim_cls in FACTORIES]
 CHECKS = ("steps", "state_dict", "from_torch", "deepcopy", "param_groups", "complex")
 FLAGS = ("foreach", "fused", "capturable", "differentiable")
+# an implementation flag changes how the steps are computed: the checks of the numbers run with each flag, those of
+# the optimizer object (copies, groups, torch's state) once an input
+FLAG_CHECKS = ("steps", "state_dict", "complex")
 STEPS = 4  # steps compared with torch's
 BEFORE, AFTER = 2, 1  # steps before a checkpoint (or a copy) and after it
 SLOW = (torch.optim.LBFGS,)  # up to 25 loss evaluations a step: fewer steps
@@ -131,13 +135,13 @@ def _flag_variants(info: Any) -> list[str]:
     return [f for f in FLAGS if f in flags]
 
 
-def _inputs(info: Any) -> list[tuple[str, dict[str, Any]]]:
-    """(description, kwargs) of each of torch's CPU inputs for the class, as given and with each flag set."""
+def _inputs(info: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """(description, kwargs, checks) of each of torch's CPU inputs for the class, as given and with each flag set."""
     found = []
     for optim_input in info.optim_inputs_func(device="cpu"):
-        found.append((optim_input.desc, optim_input.kwargs))
+        found.append((optim_input.desc, optim_input.kwargs, CHECKS))
         for flag in _flag_variants(info):
-            found.append((f"{optim_input.desc} & {flag}", {**optim_input.kwargs, flag: True}))
+            found.append((f"{optim_input.desc} & {flag}", {**optim_input.kwargs, flag: True}, FLAG_CHECKS))
     return found
 
 
@@ -145,8 +149,8 @@ def _cases() -> list[Any]:
     cases = []
     for info in INFOS:
         name = info.optim_cls.__name__
-        for desc, kwargs in _inputs(info):
-            for check in CHECKS:
+        for desc, kwargs, checks in _inputs(info):
+            for check in checks:
                 reason = next(
                     (r for n, rule, checks, r in XFAILS if n == name and check in checks and rule(kwargs)), None
                 )
@@ -371,8 +375,6 @@ def _check_from_torch(info: Any, kwargs: dict[str, Any]) -> None:
 @pytest.mark.parametrize(("info", "kwargs", "check"), _cases())
 def test_optim_db_input(info: Any, kwargs: dict[str, Any], check: str) -> None:
     if check == "from_torch":
-        if kwargs.get("differentiable"):
-            pytest.skip("not applicable: a differentiable run's state is in the graph, torch.optim's and fadam's")
         _check_from_torch(info, kwargs)
         return
     if check == "param_groups" and not info.supports_param_groups:
