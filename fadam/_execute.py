@@ -206,7 +206,7 @@ def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_
     if device.type not in _TORCH_KERNEL_DEVICES or real_view(p).dtype not in FUSED_DTYPES:
         return False
     wrapped, on_cpu = _wrapped_check(), device.type == "cpu"
-    for tensor in (p, u, *slots):
+    for tensor in (*slots, p, u):  # slots first: a quantized one is refused at once
         if (
             not isinstance(tensor, torch.Tensor)
             or tensor.dtype is not dtype
