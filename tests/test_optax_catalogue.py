@@ -168,8 +168,28 @@ def test_multi_transform_is_partition_under_optax_names():
         runs.append(params)
     for name in START:
         assert torch.equal(runs[0][name], runs[1][name])
-    with pytest.raises(NotImplementedError):
-        fadam.multi_transform(transforms, labels, mask_compatible_extra_args=True)
+
+
+def _scaled_by_extra_weights() -> fadam.GradientTransformation:
+    """Multiplies the updates by a tree of weights given to ``update`` as an extra argument."""
+
+    def update(updates, state, params=None, *, weights, **_):
+        return fadam.tree_map(lambda u, w: u * w, updates, weights), state
+
+    return fadam.GradientTransformation(lambda params: fadam.EmptyState(), update)
+
+
+def test_mask_compatible_extra_args_gives_each_group_its_leaves():
+    labels = {"b": "double", "c": "half", "w": "half"}
+    transforms = {"double": _scaled_by_extra_weights(), "half": _scaled_by_extra_weights()}
+    weights = {"b": torch.tensor(2.0), "c": torch.tensor(0.5), "w": torch.tensor(0.25)}
+    tx = fadam.multi_transform(transforms, labels, mask_compatible_extra_args=True)
+    updates, _ = tx.update(dict(GRADS[0]), tx.init(START), START, weights=weights)
+    for name in START:
+        assert torch.equal(updates[name], GRADS[0][name] * weights[name]), name
+    unmasked = fadam.multi_transform(transforms, labels)  # each group is given the whole tree: not its shape
+    with pytest.raises(ValueError):
+        unmasked.update(dict(GRADS[0]), unmasked.init(START), START, weights=weights)
 
 
 # ------------------------------------------------------------------------------------------------------ the noise

@@ -85,7 +85,12 @@ def _select(tree: PyTree, selected: list[bool]) -> PyTree:
     return spec.unflatten([leaf if keep else MaskedNode() for leaf, keep in zip(leaves, selected)])
 
 
-def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTree]) -> GradientTransformation:
+def masked(
+    inner: GradientTransformation,
+    mask: PyTree | Callable[[PyTree], PyTree],
+    *,
+    mask_compatible_extra_args: bool = False,
+) -> GradientTransformation:
     """Applies ``inner`` to the selected leaves only; the others pass through unchanged.
 
     The inner transform sees a tree in which unselected leaves are replaced by an empty ``MaskedNode``, so its state
@@ -95,6 +100,8 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
         inner: the transform for the selected leaves.
         mask: a tree of bools shaped like the params, a prefix of one (``{"encoder": False, "head": True}``), or a
             callable ``params -> mask``.
+        mask_compatible_extra_args: mask the extra arguments of ``update`` that have the updates' tree structure
+            too (optax's option); the others reach ``inner`` whole.
 
     Example:
         >>> import torch, fadam
@@ -113,10 +120,12 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[PyTree], PyTr
                 raise TypeError(f"mask leaf for {path} is {flag!r}; expected a bool")
         return flags
 
-    return _masked_by(inner, selection)
+    return _masked_by(inner, selection, mask_compatible_extra_args)
 
 
-def _masked_by(inner: GradientTransformation, selection: Callable[[PyTree], list[bool]]) -> GradientTransformation:
+def _masked_by(
+    inner: GradientTransformation, selection: Callable[[PyTree], list[bool]], mask_extra_args: bool = False
+) -> GradientTransformation:
     """``masked`` with the selection given as a function ``tree -> one bool per leaf``."""
 
     def init(params: PyTree) -> MaskedState:
@@ -131,6 +140,12 @@ def _masked_by(inner: GradientTransformation, selection: Callable[[PyTree], list
         selected = selection(params if params is not None else updates)
         leaves, spec = tree_flatten(updates)
         inner_params = None if params is None else _select(params, selected)
+        if mask_extra_args:
+            like = optree.tree_structure(updates, none_is_leaf=True)
+            extra_args = {
+                name: _select(value, selected) if optree.tree_structure(value, none_is_leaf=True) == like else value
+                for name, value in extra_args.items()
+            }
         inner_updates, inner_state = inner.update(
             _select(updates, selected), state.inner_state, inner_params, **extra_args
         )
@@ -142,13 +157,18 @@ def _masked_by(inner: GradientTransformation, selection: Callable[[PyTree], list
 
 
 def partition(
-    transforms: Mapping[Hashable, GradientTransformation], param_labels: PyTree | Callable[[PyTree], PyTree]
+    transforms: Mapping[Hashable, GradientTransformation],
+    param_labels: PyTree | Callable[[PyTree], PyTree],
+    *,
+    mask_compatible_extra_args: bool = False,
 ) -> GradientTransformation:
     """Applies a different transform to each group of leaves, like torch.optim's param groups.
 
     Args:
         transforms: label -> transform.
         param_labels: a tree of labels shaped like the params, a prefix of one, or a callable ``params -> labels``.
+        mask_compatible_extra_args: give each group's transform the leaves of its group of the extra arguments of
+            ``update`` that have the updates' tree structure (optax's option); the others reach it whole.
 
     Example:
         >>> import torch, fadam
@@ -171,7 +191,9 @@ def partition(
     def label_selection(label: Hashable) -> Callable[[PyTree], list[bool]]:
         return lambda tree: [leaf_label == label for leaf_label in labels_of(tree)]
 
-    masked_transforms = {label: _masked_by(tx, label_selection(label)) for label, tx in transforms.items()}
+    masked_transforms = {
+        label: _masked_by(tx, label_selection(label), mask_compatible_extra_args) for label, tx in transforms.items()
+    }
 
     def init(params: PyTree) -> PartitionState:
         return PartitionState({label: tx.init(params) for label, tx in masked_transforms.items()})

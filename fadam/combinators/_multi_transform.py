@@ -20,8 +20,8 @@ def multi_transform(
     Args:
         transforms: label -> transform.
         param_labels: a tree of labels shaped like the params, a prefix of one, or a callable ``params -> labels``.
-        mask_compatible_extra_args: optax masks extra arguments shaped like the params for each group; not supported
-            (``True`` raises): every group's transform receives the extra arguments whole.
+        mask_compatible_extra_args: give each group's transform the leaves of its group of the extra arguments of
+            ``update`` that have the updates' tree structure; the others reach it whole.
 
     Example:
         >>> import torch, fadam
@@ -34,6 +34,4 @@ def multi_transform(
     References:
         optax's ``optax.multi_transform`` (0.2.8).
     """
-    if mask_compatible_extra_args:
-        raise NotImplementedError("multi_transform: mask_compatible_extra_args=True is not supported")
-    return partition(transforms, param_labels)
+    return partition(transforms, param_labels, mask_compatible_extra_args=mask_compatible_extra_args)
