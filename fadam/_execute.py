@@ -399,8 +399,14 @@ def _run(
             state = with_state_at(state, stage.path, new_state)
         else:
             last = number == len(parts) - 1
-            state = _run_segment(part, state, step, applies and last, donate, whole=len(parts) == 1)
+            state = _run_segment(part, state, step, applies and last, donate, _torch_kernels_may_run(parts, applies))
     return step, state, spec
+
+
+def _torch_kernels_may_run(parts: list[Segment], applies: bool) -> bool:
+    """Whether torch's fused kernels may take groups of this program: on the default backend, where the program is
+    one declared segment that is applied to the params (torch's kernels step the params from the gradients)."""
+    return applies and len(parts) == 1 and not parts[0].opaque and _backend.get() == "auto"
 
 
 def _run_opaque(stage: Stage, spec: Any, updates: Leaves, state: Any, params: PyTree | None) -> tuple[Leaves, Any]:
@@ -466,23 +472,18 @@ def _any_fast_leaf(
         for i, (p, g) in enumerate(zip(params, grads))
     ):
         return True
-    last = parts[-1]
     return (
-        applies
-        and len(parts) == 1
-        and _backend.get() == "auto"
-        and not last.opaque
-        and shape_of(tuple(stage.decl for stage in last.stages)) is not None
+        _torch_kernels_may_run(parts, applies)
+        and shape_of(tuple(stage.decl for stage in first.stages)) is not None
         and any(
-            torch_ready(p, g, _slots_of(last, leaves, i), grad_enabled) for i, (p, g) in enumerate(zip(params, grads))
+            torch_ready(p, g, _slots_of(first, leaves, i), grad_enabled) for i, (p, g) in enumerate(zip(params, grads))
         )
     )
 
 
-def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: bool, whole: bool) -> Any:
+def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: bool, torch_kernels: bool) -> Any:
     """Runs one declared segment on every leaf (updating ``step``'s lists); returns the state with the segment's
-    stages advanced. Torch's fused kernels take a group only where the segment is the ``whole`` program: they step
-    from the gradients, as torch.optim does."""
+    stages advanced. ``torch_kernels``: torch's fused kernels may take its groups (``_torch_kernels_may_run``)."""
     grad_enabled = torch.is_grad_enabled()
     stage_states = [state_at(state, stage.path) for stage in part.stages]
     entries = [step.leaves[stage.path] for stage in part.stages]
@@ -499,7 +500,7 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         for i in range(len(step.params)):
             groups.setdefault(tuple(entry.selected[i] for entry in entries), []).append(i)
     new_slots = [[list(slot) for slot in entry.slots] for entry in entries]
-    torch_first = applies and whole and not eager_only and _backend.get() == "auto"
+    torch_first = torch_kernels and not eager_only
     slot_rows = _segment_slots(part, step.leaves, len(step.params)) if not eager_only else []
     for applying, members in groups.items():
         chosen = [k for k, flag in enumerate(applying) if flag]
@@ -747,6 +748,7 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
         return "\n".join([*lines, "eager: the state is not laid out as the transform's init lays it out"])
     grad_enabled = torch.is_grad_enabled()
     parts = segments(program)
+    torch_kernels = _torch_kernels_may_run(parts, applies=True)
     for number, part in enumerate(parts):
         if part.opaque:
             lines.append(f"{_opaque_name(part.stages[0])}: eager (an opaque transform): all {len(paths)} leaves")
@@ -765,7 +767,7 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
             if not names:
                 continue  # its mask leaves the leaf out of every stage here
             slots = _slots_of(part, leaves, i)
-            if len(parts) == 1 and not recorded and _backend.get() == "auto":
+            if torch_kernels and not recorded:
                 kernel = _torch_kernel_for(part, chosen, state, scalars, p, g, slots, grad_enabled)
                 if kernel is not None:
                     groups.setdefault((names, kernel), []).append(paths[i])
