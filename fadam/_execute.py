@@ -7,9 +7,11 @@ leaves are grouped by the stages that apply to them, and each group runs those. 
 
 - *torch's fused kernel* (``fadam._torch_kernels``), where the program is one segment and a group's stages are one of
   the chains it computes, on the leaves ``torch_ready`` admits (CPU or CUDA): one call per device and dtype;
-- *generated kernel* (``fadam._cpu_kernel``): one call per group for all the leaves that may take it: plain CPU
-  tensors that autograd does not record, contiguous, float32 or float64 (complex ones as pairs of reals), with the
-  gradient and every slot in the param's dtype; the last segment also adds the update to the param;
+- *generated kernel*: one call per group and device for all the leaves that may take it, the C++ one
+  (``fadam._cpu_kernel``) for CPU leaves and the Triton one (``fadam._triton_kernel``) for CUDA leaves: plain
+  tensors that autograd does not record, contiguous, float32, float64 or bfloat16 (complex ones as pairs of reals),
+  with the gradient in the param's dtype (quantized slots: on the CPU only); the last segment also adds the update
+  to the param;
 - *eager*: the declarations' bodies on torch ops, for the other leaves, and every leaf of an opaque stage.
 
 ``torch_ready`` and ``ready`` decide, leaf by leaf, and ``refusal`` gives the reason a leaf does not take the
@@ -29,8 +31,9 @@ import torch
 from torch._C._functorch import is_functorch_wrapped_tensor as _functorch_wrapped
 from torch._C._functorch import maybe_current_level as _current_level
 
+from fadam import _triton_kernel
 from fadam._base import add_update
-from fadam._cpu_kernel import KERNEL_DTYPES, Quantized, load, weight_scalars
+from fadam._cpu_kernel import KERNEL_DTYPES, Kernel, Quantized, _aten_fma, load, weight_scalars
 from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, real_view
 from fadam._program import (
     Elementwise,
@@ -53,7 +56,7 @@ from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expe
 
 Leaves = list[torch.Tensor | None]
 
-BACKENDS = ("auto", "eager", "kernel")
+BACKENDS = ("auto", "eager", "kernel", "triton")
 _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
 
 
@@ -61,8 +64,10 @@ _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
 def backend(name: str) -> Iterator[None]:
     """Runs the steps and updates inside the block on one backend: ``"auto"`` (the default: torch's fused kernel
     where a group's stages are one of its chains, else the generated kernel where the leaves allow it, else eager),
-    ``"eager"`` (torch ops only: the reference) or ``"kernel"`` (the generated kernel where the leaves allow it,
-    never torch's fused kernels). The choice holds for the current thread (and task) only.
+    ``"eager"`` (torch ops only: the reference), ``"kernel"`` (the generated kernel where the leaves allow it, C++ on
+    the CPU and Triton on CUDA, never torch's fused kernels) or ``"triton"`` (the generated Triton kernel for every
+    leaf it can run: CUDA leaves, and CPU leaves when ``TRITON_INTERPRET=1`` has Triton's interpreter run them, which
+    is slow but shows on any machine what a GPU computes). The choice holds for the current thread (and task) only.
 
     Example:
         >>> import torch, fadam
@@ -122,6 +127,16 @@ def segments(program: Program) -> list[Segment]:
 _KERNEL_PARAM_DTYPES = frozenset({*KERNEL_DTYPES, torch.complex64, torch.complex128})
 
 
+def generated_route(device: torch.device) -> str | None:
+    """Which generated kernel runs leaves on ``device`` under the current ``fadam.backend``: ``"cpu"`` (C++),
+    ``"triton"``, or ``None`` (none: they run eagerly)."""
+    if _backend.get() == "triton":
+        return "triton" if _triton_kernel.runs_on(device) else None
+    if device.type == "cpu":
+        return "cpu"
+    return "triton" if device.type == "cuda" and _triton_kernel.runs_on(device) else None
+
+
 def ready(
     p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool, storage: Storage | None = None
 ) -> bool:
@@ -133,19 +148,23 @@ def ready(
     zero_dim = p.dim() == 0
     if dtype not in _KERNEL_PARAM_DTYPES or (zero_dim and dtype is not torch.float64):
         return False
+    on_cpu = p.is_cpu and _backend.get() != "triton"  # the C++ kernel's leaves: the common case, checked quickly
+    device = None if on_cpu else p.device
+    if not on_cpu and generated_route(device) is None:
+        return False
     wrapped = _wrapped_check()
     # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
     slot_dtypes = (dtype,) if zero_dim or p.is_complex() else KERNEL_DTYPES
     for number, tensor in enumerate((p, u, *slots)):
-        if type(tensor) is QuantizedArray:
-            if zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled):
+        if type(tensor) is QuantizedArray:  # the Triton kernel does not generate quantized slots
+            if not on_cpu or zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled):
                 return False
             continue
         if (
             not _walkable(tensor, grad_enabled, wrapped)
             or (tensor.dtype is not dtype and (number < 2 or tensor.dtype not in slot_dtypes))
-            or not tensor.is_cpu
+            or not (tensor.is_cpu if on_cpu else tensor.device == device)
         ):
             return False
     return True
@@ -227,7 +246,12 @@ def refusal(
         return None
     if u is None:
         return "no gradient"
+    route = generated_route(p.device)
+    if route is None:
+        return _no_route(p.device)
     quantized = [slot for slot in slots if type(slot) is QuantizedArray]
+    if quantized and route == "triton":
+        return "quantized state, which the Triton kernel does not generate yet"
     if quantized and p.is_complex():
         return f"quantized state of a {p.dtype} param"
     if any(not _quantized_ready(q, p, storage, grad_enabled) for q in quantized):
@@ -238,8 +262,8 @@ def refusal(
             return f"a {type(tensor).__name__}, not a plain tensor"
         if tensor.layout != torch.strided:
             return f"a {tensor.layout} tensor"
-        if not tensor.is_cpu:
-            return f"on {tensor.device}"
+        if tensor.device != p.device:
+            return f"a tensor on {tensor.device}, its param on {p.device}"
         if not is_plain(tensor):
             return "autograd or torch.func records it" if tensor.requires_grad else "wrapped by torch.func"
         if not tensor.is_contiguous():
@@ -252,6 +276,17 @@ def refusal(
     if dtype not in KERNEL_DTYPES:
         return f"{p.dtype} (the kernel takes float32, float64 and bfloat16)"
     return "its gradient has another dtype than the param, or its state a dtype the kernel does not take"
+
+
+def _no_route(device: torch.device) -> str:
+    """Why no generated kernel runs leaves on ``device``."""
+    if _backend.get() == "triton":
+        if device.type == "cpu":
+            return "on the CPU, where Triton runs only under TRITON_INTERPRET=1 (its interpreter)"
+        return f"on {device}, where Triton does not run" if _triton_kernel.installed() else "Triton is not installed"
+    if device.type == "cuda":
+        return "on cuda, where the generated kernel is Triton's, which is not installed"
+    return f"on {device}, where no kernel is generated"
 
 
 def _graph_scalar(value: Any, grad_enabled: bool) -> bool:
@@ -360,7 +395,7 @@ def run_update(program: Program, updates: PyTree, state: PyTree, params: PyTree 
     if torch.compiler.is_compiling() or _backend.get() == "eager":  # inductor fuses a traced update itself
         return None
     first = next((leaf for leaf in optree.tree_leaves(updates) if isinstance(leaf, torch.Tensor)), None)
-    if first is None or not first.is_cpu or not is_plain(first):  # autograd, torch.func or a device: eager, quickly
+    if first is None or not is_plain(first) or generated_route(first.device) is None:  # eager, quickly
         return None
     ran = _run(program, updates, state, params, donate=False, applies=False)
     if ran is None:
@@ -640,13 +675,14 @@ def _run_kernel(
     by_layout: dict[tuple, list[int]] = {}
     real = _REAL.get
     for i, slot_leaves in members.items():
-        dtype = _reference(step, i).dtype
+        reference = _reference(step, i)
+        dtype = reference.dtype
         slot_dtypes = [_QUANTIZED if type(t) is QuantizedArray else real(t.dtype, t.dtype) for t in slot_leaves]
-        by_layout.setdefault((real(dtype, dtype), *slot_dtypes), []).append(i)
+        by_layout.setdefault((reference.device, real(dtype, dtype), *slot_dtypes), []).append(i)
     rounded_tensors = _tensor_weights(traced, [scalars[k] for k in chosen])
     storage = part.storage
     for key, group in by_layout.items():
-        dtype, slot_dtypes = key[0], key[1:]
+        device, dtype, slot_dtypes = key[0], key[1], key[2:]
         stored = tuple(d is _QUANTIZED for d in slot_dtypes)
         slot_dtypes = tuple(torch.float32 if q else d for d, q in zip(slot_dtypes, stored))
         dtypes = (dtype, *([dtype] if traced.reads_params else []), *slot_dtypes)
@@ -655,7 +691,7 @@ def _run_kernel(
             for slot, quantized in zip(slot_specs, stored)
         )
         low_precision = rounded_tensors and torch.bfloat16 in dtypes
-        kernel = None if low_precision else load(traced, dtypes, formats if any(stored) else ())
+        kernel = None if low_precision else _generated(device, traced, dtypes, formats if any(stored) else ())
         if kernel is None:
             _run_eager(part, chosen, scalars, group, step, new_slots)
             continue
@@ -681,6 +717,17 @@ def _run_kernel(
                 step.new_params[i], step.applied[i], step.updates[i] = final, True, None
             else:
                 step.updates[i] = final
+
+
+def _generated(
+    device: torch.device, traced: Any, dtypes: tuple[torch.dtype, ...], formats: tuple
+) -> Kernel | _triton_kernel.TritonKernel | None:
+    """The generated kernel of ``traced`` for leaves on ``device``: C++ on the CPU, else Triton (``generated_route``),
+    whose multiply-adds round as ATen's kernels on that device round them (once on CUDA, where nvcc contracts them;
+    on the CPU as its vectorized build does)."""
+    if generated_route(device) == "cpu":
+        return load(traced, dtypes, formats)
+    return _triton_kernel.load(traced, dtypes, formats, fma=_aten_fma() if device.type == "cpu" else True)
 
 
 _QUANTIZED = object()  # stands for a quantized slot's dtype in ``_run_kernel``'s layouts
@@ -779,12 +826,15 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
             traced = trace(tuple(part.stages[k].decl for k in chosen), number == len(parts) - 1)
             if reason is None and torch.bfloat16 in low and _tensor_weights(traced, [scalars[k] for k in chosen]):
                 reason = "a bfloat16 leaf with a tensor as lerp's weight, addcmul's value or add's alpha"
-            backend = "generated CPU kernel" if reason is None else f"eager: {reason}"
+            backend = _GENERATED_NAMES[generated_route(p.device)] if reason is None else f"eager: {reason}"
             groups.setdefault((names, backend), []).append(paths[i])
         for (names, backend), members in sorted(groups.items()):
             shown = ", ".join(members[:4]) + (f", ... ({len(members)} leaves)" if len(members) > 4 else "")
             lines.append(f"{names}: {backend}: {shown}")
     return "\n".join(lines)
+
+
+_GENERATED_NAMES = {"cpu": "generated CPU kernel", "triton": "generated Triton kernel"}
 
 
 def _torch_kernel_for(

@@ -24,8 +24,9 @@ of the update beyond their own rounding and the updates within 4 ulps of their l
 takes the pointer table (an int64 tensor of addresses cast with ``.to(tl.pointer_type(...))``) as the GPU does, so
 the tests run the one launch per group that a GPU runs.
 
-Not yet: quantized slots (``supports`` refuses them; those leaves stay on the other backends), and the executor's
-use of this backend (``fadam._execute`` does not call it). No CUDA run has been made: on the GPU, torch.rsqrt is the
+``fadam._execute`` runs it for CUDA leaves (and, under ``fadam.backend("triton")``, for CPU leaves in the
+interpreter), one launch per group of leaves and device. Not yet: quantized slots (``supports`` refuses them; those
+leaves stay on the other backends). No CUDA run has been made: on the GPU, torch.rsqrt is the
 hardware's reciprocal square root, not ``1 / sqrt`` as here and on the CPU, so a body that calls ``o.rsqrt`` is
 expected to differ from CUDA's eager path in the last bits.
 """
@@ -134,6 +135,30 @@ _CALLS = {
     "addcmul": "fadam_mul_add({3} * {1}, {2}, {0}, FMA)",  # torch.addcmul(c, a, b, value=v): fma(v * a, b, c)
     "add_scaled": "fadam_mul_add({1}, {2}, {0}, FMA)",  # torch.add(a, b, alpha=k): fma(b, k, a)
 }
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether the ``triton`` package can be imported (imported once, on first need: it takes a while)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreted() -> bool:
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether this backend runs leaves on ``device``: CUDA ones, and CPU ones under ``TRITON_INTERPRET=1``, where
+    Triton's interpreter runs kernels on the CPU (slowly: for tests, and to see on any machine what a GPU computes)."""
+    if device.type not in ("cuda", "cpu") or not installed():
+        return False
+    return device.type == "cuda" or _interpreted()
 
 
 def supports(formats: Formats) -> bool:
@@ -359,10 +384,6 @@ def load(
     """The Triton kernel of ``traced`` for inputs of ``dtypes`` (``fadam._cpu_kernel.load``'s arguments), or ``None``
     where this backend does not take them (quantized slots, another dtype) or Triton is not installed. ``fma``: whether
     torch.lerp, torch.addcmul and torch.add's alpha round once, as ATen's CUDA kernels compute them."""
-    if not supports(formats) or any(d not in KERNEL_DTYPES for d in dtypes):
+    if not supports(formats) or any(d not in KERNEL_DTYPES for d in dtypes) or not installed():
         return None
-    try:
-        from triton import knobs
-    except ImportError:
-        return None
-    return _load(traced, dtypes, fma, bool(knobs.runtime.interpret))
+    return _load(traced, dtypes, fma, _interpreted())
