@@ -132,7 +132,9 @@ def torch_kernel(
 
 
 def _on(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    """A tensor lr on ``device`` in float32: torch's CUDA kernels read it through a ``float`` pointer, and refuse a
+    float64 one (a schedule's value)."""
+    return value.to(device=device, dtype=torch.float32) if isinstance(value, torch.Tensor) else value
 
 
 def _adam(

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import fadam
+from fadam._program import program_of, state_at
+from fadam._torch_kernels import torch_kernel
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -175,3 +177,22 @@ def test_a_schedule_of_the_learning_rate_is_read_each_step():
         optimizer.step()
     for k in params:
         assert torch.equal(ours[k], tensors[k]), k
+
+
+@pytest.mark.parametrize(("name", "kernel_name"), [("adamw", "_fused_adamw_"), ("sgd", "_fused_sgd_")])
+def test_on_cuda_a_schedules_lr_reaches_the_kernel_as_a_float32_tensor(name, kernel_name, monkeypatch):
+    """torch's CUDA kernels read a tensor lr through a ``float`` pointer (and refuse a float64 one): the schedule's
+    float64 value goes to them as float32, on the params' device, without a host sync. Checked on the CPU by
+    recording what the kernel is given."""
+    tx = {"adamw": fadam.adamw, "sgd": fadam.sgd}[name](fadam.linear_schedule(1e-2, 1e-3, 5))
+    program, state = program_of(tx).expanded(tx.init({"w": torch.ones(3)}))
+    stage_states = [state_at(state, stage.path) for stage in program.stages]
+    scalars = [stage.decl.scalars(s, [torch.ones(3)]) for stage, s in zip(program.stages, stage_states)]
+    assert any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for found in scalars for v in found.values())
+    given: dict = {}
+    monkeypatch.setattr(torch, kernel_name, lambda *args, **kwargs: given.update(kwargs))
+    kernel = torch_kernel(tuple(stage.decl for stage in program.stages), stage_states, scalars, "cuda")
+    moments = [[torch.zeros(3)]] * (2 if name == "adamw" else 0)
+    kernel.run(torch.device("cpu"), [torch.ones(3)], [torch.ones(3)], *moments)
+    assert given["lr"].dtype == torch.float32 and given["lr"].is_cpu
+    assert given["lr"] == torch.tensor(1e-2, dtype=torch.float32)
