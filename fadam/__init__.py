@@ -28,6 +28,7 @@ from fadam._optax_aliases import (
     noisy_sgd,
     novograd,
     optimistic_adam,
+    optimistic_adam_v2,
     optimistic_gradient_descent,
     polyak_sgd,
     sm3,
@@ -98,8 +99,10 @@ from fadam.combinators._conditionality import (
     conditionally_transform,
 )
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
+from fadam.combinators._layouts import flatten
 from fadam.combinators._lookahead import LookaheadParams, LookaheadState, lookahead
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
+from fadam.combinators._monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
 from fadam.combinators._multi_transform import multi_transform
 from fadam.combinators._sam import SAMState, normalize, sam
 from fadam.combinators._wrappers import (
@@ -221,6 +224,7 @@ torch.serialization.add_safe_globals(
         LookaheadState,
         MaskedNode,
         MaskedState,
+        MonitorState,
         MultiStepsState,
         PagedState,
         PartitionState,
@@ -254,6 +258,7 @@ torch.serialization.add_safe_globals(
         ScaleBySecondMomentState,
         ScaleByYogiState,
         ScheduleFreeState,
+        SnapshotState,
         TraceState,
         ZeroNansState,
     ]
@@ -283,6 +288,7 @@ __all__ = [
     "MaskedState",
     "MetaOptimizer",
     "MetaSnapshot",
+    "MonitorState",
     "MultiSteps",
     "MultiStepsState",
     "Optimizer",
@@ -321,6 +327,7 @@ __all__ = [
     "Schedule",
     "ScheduleFreeState",
     "Sharded",
+    "SnapshotState",
     "TraceState",
     "ZeroNansState",
     "adabelief",
@@ -360,6 +367,7 @@ __all__ = [
     "cosine_onecycle_schedule",
     "ema",
     "exponential_decay",
+    "flatten",
     "freeze",
     "fromage",
     "gather",
@@ -378,6 +386,8 @@ __all__ = [
     "lookahead",
     "masked",
     "mars",
+    "measure_with_ema",
+    "monitor",
     "multi_transform",
     "muon",
     "muon_labels",
@@ -390,6 +400,7 @@ __all__ = [
     "normalize_by_update_norm",
     "novograd",
     "optimistic_adam",
+    "optimistic_adam_v2",
     "optimistic_gradient_descent",
     "page_state",
     "paged_adam",
@@ -454,6 +465,7 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "sm3",
+    "snapshot",
     "state_from_dict",
     "state_from_torch",
     "state_to_dict",

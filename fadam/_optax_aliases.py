@@ -1,5 +1,6 @@
 """Ready-made optimizers with optax's names, arguments and semantics, each a ``chain`` of transforms: NovoGrad,
-LARS, Adan, SM3, Fromage, noisy SGD, Polyak SGD, optimistic gradient descent and optimistic Adam."""
+LARS, Adan, SM3, Fromage, noisy SGD, Polyak SGD, optimistic gradient descent and optimistic Adam (both of optax's
+interfaces)."""
 
 from __future__ import annotations
 
@@ -412,4 +413,55 @@ def optimistic_adam(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
         scale_by_optimistic_gradient(alpha=learning_rate, beta=learning_rate if optimism is None else optimism),
         scale_by_learning_rate(1.0),
+    )
+
+
+def optimistic_adam_v2(
+    learning_rate: ScalarOrSchedule,
+    *,
+    alpha: float | torch.Tensor = 1.0,
+    beta: float | torch.Tensor = 1.0,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    nesterov: bool = True,
+) -> GradientTransformation:
+    r"""Optimistic Adam with a learning rate (a schedule too) apart from the optimism: Adam's direction :math:`r_t`,
+    extrapolated by its last change, then scaled.
+
+    .. math::
+        p_{t+1} = p_t - \eta_t\left(\alpha r_t + \beta (r_t - r_{t-1})\right),\qquad r_0 = r_1
+
+    with :math:`r_t` ``scale_by_adam``'s (Nesterov's by default). ``chain(scale_by_adam(b1, b2, eps, eps_root,
+    mu_dtype=mu_dtype, nesterov=nesterov), scale_by_optimistic_gradient(alpha, beta),
+    scale_by_learning_rate(learning_rate))``, optax's ``optimistic_adam_v2``: ``optimistic_adam(lr, o)`` is
+    ``optimistic_adam_v2(1.0, alpha=lr, beta=o)``.
+
+    Args:
+        learning_rate: the rate :math:`\eta_t` (a float, a 0-d tensor or a schedule).
+        alpha: the coefficient of Adam's direction.
+        beta: the coefficient of its change (the optimism).
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added to the denominator outside the square root.
+        eps_root: added inside the square root.
+        mu_dtype: dtype of the first moment (default: the param's).
+        nesterov: Nesterov momentum in Adam's direction.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.optimistic_adam_v2(0.1, alpha=0.5, eps=0.0, nesterov=False)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([2.0, -0.5])], tx.init(params), params)[0]  # the first step: -0.1 * 0.5 sign(g)
+        [tensor([-0.0500,  0.0500])]
+
+    References:
+        Daskalakis et al., "Training GANs with Optimism", ICLR 2018. optax's ``optax.optimistic_adam_v2`` (0.2.8).
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
+        scale_by_optimistic_gradient(alpha=alpha, beta=beta),
+        scale_by_learning_rate(learning_rate),
     )

@@ -1,7 +1,8 @@
 """Writes tests/data/optax_catalogue.json: optax's float64 trajectories of the optimizers, transforms and wrappers
 of tests/test_optax_catalogue.py (NovoGrad, LARS, Adan, SM3, Fromage, noisy SGD without noise, Polyak SGD,
-optimistic gradient descent and Adam, centralize, adaptive_grad_clip, normalize_by_update_norm,
-keep_params_nonnegative, apply_every, conditionally_mask and conditionally_transform, per_example_global_norm_clip).
+optimistic gradient descent and Adam (both interfaces), centralize, adaptive_grad_clip, normalize_by_update_norm,
+keep_params_nonnegative, apply_every, conditionally_mask and conditionally_transform, flatten,
+per_example_global_norm_clip), and the measurements of monitor, snapshot and measure_with_ema along a trajectory.
 
 Each case runs a transform (its updates at every step, at the fixed params ``START``) or an alias (the params after
 every step, from ``START``) of optax on a fixed sequence of gradients over three leaves (a matrix, a vector and a
@@ -110,6 +111,13 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("optimistic-weights", "scale_by_optimistic_gradient", {"alpha": 0.5, "beta": 2.0}, "transform"),
     ("ogd-alias", "optimistic_gradient_descent", {"learning_rate": 0.1, "alpha": 0.7, "beta": 0.3}, "alias"),
     ("optimistic-adam-alias", "optimistic_adam", {"learning_rate": 0.01}, "alias"),
+    ("optimistic-adam-v2-alias", "optimistic_adam_v2", {"learning_rate": 0.01}, "alias"),
+    (
+        "optimistic-adam-v2-schedule",
+        "optimistic_adam_v2",
+        {"learning_rate": LINEAR_LR, "alpha": 0.5, "beta": 2.0, "nesterov": False, "eps_root": 1e-10},
+        "alias",
+    ),
     (
         "optimistic-adam-plain",
         "optimistic_adam",
@@ -131,6 +139,10 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
         {"inner": ["scale_by_adam", {"b1": 0.5}], "every": 4},
         "transform",
     ),
+    # flatten: {"inner": [name, kwargs]} run on the concatenation of the leaves
+    ("flatten-adam", "flatten", {"inner": ["scale_by_adam", {"b1": 0.8}]}, "transform"),
+    ("flatten-trust-ratio", "flatten", {"inner": ["scale_by_trust_ratio", {"trust_coefficient": 0.5}]}, "transform"),
+    ("flatten-lars", "flatten", {"inner": ["lars", {"learning_rate": 0.5, "weight_decay": 1e-2}]}, "alias"),
 ]
 
 
@@ -145,8 +157,11 @@ def _resolve(name: str, value: Any) -> Any:
 def _build(path: str, kwargs: dict[str, Any]) -> Any:
     if "inner" in kwargs:
         inner_name, inner_kwargs = kwargs["inner"]
+        inner = getattr(optax, inner_name)(**inner_kwargs)
+        if "every" not in kwargs:
+            return getattr(optax, path)(inner)
         every = kwargs["every"]
-        return getattr(optax, path)(getattr(optax, inner_name)(**inner_kwargs), lambda step: step % every != 0)
+        return getattr(optax, path)(inner, lambda step: step % every != 0)
     return getattr(optax, path)(**{k: _resolve(k, v) for k, v in kwargs.items()})
 
 
@@ -188,6 +203,42 @@ def per_example() -> dict[str, Any]:
     return {"grads": _lists(_tree(grads)), "l2_norm_clip": 1.0, "sum": _lists(summed), "num_clipped": int(clipped)}
 
 
+def monitoring() -> dict[str, Any]:
+    """A momentum step whose chain measures its updates before clipping (monitor: a norm, the debiased average of
+    a flag of a norm above 20, the plain average of the squares) and after (snapshot: the largest element): the
+    params and the measurements after every step, and the snapshot of the params at init."""
+    tx = optax.chain(
+        optax.trace(decay=0.9),
+        optax.monitor(
+            {
+                "norm": optax.tree.norm,
+                "large": optax.measure_with_ema(lambda u: optax.tree.norm(u) > 20.0, 0.9),
+                "squares": optax.measure_with_ema(lambda u: jax.tree.map(jnp.square, u), 0.8, debias=False),
+            }
+        ),
+        optax.clip_by_global_norm(2.0),
+        optax.snapshot("max", optax.tree.max),
+        optax.scale(-0.1),
+    )
+    params = _tree(start())
+    state = tx.init(params)
+    out: dict[str, Any] = {"init_max": float(state[3].measurement["max"]), "steps": []}
+    for g in gradients():
+        updates, state = tx.update(_tree(g), state, params)
+        params = optax.apply_updates(params, updates)
+        measured = state[1].measurements
+        out["steps"].append(
+            {
+                "params": _lists(params),
+                "norm": float(measured["norm"]),
+                "large": float(measured["large"]),
+                "squares": _lists(measured["squares"]),
+                "max": float(state[3].measurement["max"]),
+            }
+        )
+    return out
+
+
 def main() -> None:
     warnings.simplefilter("ignore", DeprecationWarning)  # optimistic_adam's
     grads, losses = gradients(), values()
@@ -202,6 +253,7 @@ def main() -> None:
         "losses": losses,
         "cases": cases,
         "per_example_global_norm_clip": per_example(),
+        "monitoring": monitoring(),
     }
     target = Path(__file__).resolve().parent.parent / "tests" / "data" / "optax_catalogue.json"
     target.write_text(json.dumps(out, separators=(",", ":")) + "\n")

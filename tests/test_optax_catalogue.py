@@ -1,7 +1,8 @@
-"""NovoGrad, LARS, Adan, SM3, Fromage, noisy SGD, Polyak SGD, optimistic gradient descent and Adam, and the
-transforms and wrappers around them (add_noise, centralize, adaptive_grad_clip, normalize_by_update_norm,
-keep_params_nonnegative, apply_every, conditionally_mask, conditionally_transform, per_example_global_norm_clip,
-multi_transform) against optax's float64 trajectories.
+"""NovoGrad, LARS, Adan, SM3, Fromage, noisy SGD, Polyak SGD, optimistic gradient descent and Adam (both
+interfaces), and the transforms and wrappers around them (add_noise, centralize, adaptive_grad_clip,
+normalize_by_update_norm, keep_params_nonnegative, apply_every, conditionally_mask, conditionally_transform, flatten,
+per_example_global_norm_clip, multi_transform, monitor, snapshot, measure_with_ema) against optax's float64
+trajectories.
 
 The optax values (tests/data/optax_catalogue.json) were computed by optax 0.2.8 with jax in float64, on the fixed
 gradients, params and loss values stored beside them (scripts/optax_catalogue_reference.py). Noise cannot match jax's
@@ -51,6 +52,7 @@ FADAM_NAMES = {
         "scale_by_optimistic_gradient",
         "optimistic_gradient_descent",
         "optimistic_adam",
+        "optimistic_adam_v2",
         "centralize",
         "normalize_by_update_norm",
         "adaptive_grad_clip",
@@ -58,6 +60,7 @@ FADAM_NAMES = {
         "apply_every",
         "conditionally_mask",
         "conditionally_transform",
+        "flatten",
     )
 }
 # declared elementwise (fadam._program): they also run through the generated CPU kernel
@@ -76,8 +79,11 @@ def _build(case: dict) -> fadam.GradientTransformation:
     factory = getattr(fadam, FADAM_NAMES[case["optax"]])
     if "inner" in kwargs:
         inner_name, inner_kwargs = kwargs["inner"]
+        inner = getattr(fadam, inner_name)(**inner_kwargs)
+        if "every" not in kwargs:
+            return factory(inner)
         every = kwargs["every"]
-        return factory(getattr(fadam, inner_name)(**inner_kwargs), lambda step: step % every != 0)
+        return factory(inner, lambda step: step % every != 0)
     return factory(**{name: _resolve(value) for name, value in kwargs.items()})
 
 
@@ -137,6 +143,7 @@ def test_every_new_optax_name_has_a_reference_case():
         ("adan-default", {"b3": 0.99 + 1e-7}),
         ("novograd-default", {"b2": 0.25 + 1e-7}),
         ("lars-alias", {"trust_coefficient": 0.001 * (1 + 1e-8)}),
+        ("optimistic-adam-v2-alias", {"beta": 1.0 + 1e-6}),
     ],
 )
 def test_the_reference_comparison_can_fail(name, change):
@@ -337,3 +344,160 @@ def test_vmap_over_an_ensemble_equals_the_members(name):
 
     grads = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(torch.func.vmap(three_steps)(grads), torch.stack([three_steps(g) for g in grads]))
+
+
+# ------------------------------------------------------------------------------------------- optimistic_adam_v2
+
+
+def test_optimistic_adam_is_v2_with_its_rate_as_alpha_and_a_unit_rate():
+    params = dict(START)
+    runs = []
+    for tx in (fadam.optimistic_adam(0.02, 0.05), fadam.optimistic_adam_v2(1.0, alpha=0.02, beta=0.05)):
+        state, out = tx.init(params), []
+        for g in GRADS[:4]:
+            updates, state = tx.update(dict(g), state, params)
+            out.append(updates)
+        runs.append(out)
+    for first, second in zip(*runs):
+        for name in START:
+            torch.testing.assert_close(first[name], second[name], rtol=1e-15, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------ flatten
+
+
+def test_flatten_runs_one_vector_in_the_promoted_dtype_and_returns_each_dtype():
+    params = {"a": torch.ones(2, 2), "b": torch.ones(3, dtype=torch.float64)}
+    tx = fadam.flatten(fadam.scale_by_adam())
+    state = tx.init(params)
+    assert state.mu.shape == (7,) and state.mu.dtype == torch.float64  # one vector, as optax (float32 + float64)
+    grads = {"a": torch.full((2, 2), 2.0), "b": torch.tensor([1.0, -3.0, 0.0], dtype=torch.float64)}
+    updates, state = tx.update(grads, state, params)
+    assert updates["a"].dtype == torch.float32 and updates["b"].dtype == torch.float64
+    torch.testing.assert_close(updates["a"], torch.ones(2, 2))  # Adam's first step: the sign
+    torch.testing.assert_close(updates["b"], torch.tensor([1.0, -1.0, 0.0], dtype=torch.float64))
+    assert int(state.count) == 1
+
+
+def test_flatten_reads_a_missing_gradient_as_zeros_and_keeps_it_missing():
+    params = {"a": torch.ones(2), "b": torch.ones(3)}
+    tx = fadam.flatten(fadam.trace(0.5))
+    state = tx.init(params)
+    _, state = tx.update({"a": torch.ones(2), "b": torch.ones(3)}, state, params)
+    updates, state = tx.update({"a": None, "b": torch.ones(3)}, state, params)
+    assert updates["a"] is None and updates["b"].tolist() == [1.5, 1.5, 1.5]
+    assert state.trace.tolist() == [0.5, 0.5, 1.5, 1.5, 1.5]  # the missing gradient's elements decayed
+    with pytest.raises(ValueError, match="pass the params"):
+        tx.update({"a": None, "b": torch.ones(3)}, state)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        fadam.flatten(fadam.scale_by_adam)
+    with pytest.raises(ValueError, match="shape"):
+        tx.update({"a": torch.ones(3), "b": torch.ones(3)}, state, params)
+
+
+def test_flatten_makes_a_per_leaf_rule_global_within_chain_and_under_vmap():
+    params = [torch.full((2, 3), 0.5), torch.full((4,), -0.25)]
+    tx = fadam.chain(fadam.flatten(fadam.scale_by_trust_ratio()), fadam.scale(-0.1))
+    updates, _ = tx.update([torch.ones(2, 3), torch.full((4,), 3.0)], tx.init(params), params)
+    ratio = fadam.tree_norm(params) / (6 + 4 * 9) ** 0.5  # the norms of the whole model
+    torch.testing.assert_close(updates[1], torch.full((4,), -0.1 * 3.0) * ratio)
+
+    def two_steps(g: torch.Tensor) -> torch.Tensor:
+        inner = fadam.flatten(fadam.scale_by_adam())
+        state = inner.init(params)
+        first, state = inner.update([g, g[0, :1].expand(4)], state, params)
+        second, _ = inner.update([-g, g[1, :1].expand(4)], state, params)
+        return torch.cat([first[0].reshape(-1), second[1]])
+
+    grads = torch.randn(3, 2, 3, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(torch.func.vmap(two_steps)(grads), torch.stack([two_steps(g) for g in grads]))
+
+
+# -------------------------------------------------------------------------- monitor, snapshot, measure_with_ema
+
+
+def _monitored() -> fadam.GradientTransformation:
+    """tests/data's monitoring chain (scripts/optax_catalogue_reference.py's ``monitoring``), in fadam's names."""
+    return fadam.chain(
+        fadam.trace(0.9),
+        fadam.monitor(
+            {
+                "norm": fadam.tree_norm,
+                "large": fadam.measure_with_ema(lambda u: fadam.tree_norm(u) > 20.0, 0.9),
+                "squares": fadam.measure_with_ema(lambda u: fadam.tree_map(torch.square, u), 0.8, debias=False),
+            }
+        ),
+        fadam.clip_by_global_norm(2.0),
+        fadam.snapshot("max", fadam.tree_max),
+        fadam.scale(-0.1),
+    )
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64, as jax's x64 mode of the reference: a bool measurement is averaged in it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def test_monitor_snapshot_and_measure_with_ema_match_optax(float64_default):
+    reference = REFERENCE["monitoring"]
+    tx = _monitored()
+    params = dict(START)
+    state = tx.init(params)
+    assert state[1].measurements == {} and float(state[3].measurement["max"]) == reference["init_max"]
+    for g, want in zip(GRADS, reference["steps"], strict=True):
+        updates, state = tx.update(dict(g), state, params)
+        params = fadam.apply_updates(params, updates)
+        measured = state[1].measurements
+        got = {"norm": measured["norm"], "large": measured["large"], "max": state[3].measurement["max"]}
+        for name, value in got.items():
+            torch.testing.assert_close(value, torch.tensor(want[name]), rtol=RTOL, atol=ATOL, msg=name)
+        for tree, want_tree in ((params, want["params"]), (measured["squares"], want["squares"])):
+            for name, leaf in _tree(want_tree).items():
+                torch.testing.assert_close(tree[name], leaf, rtol=RTOL, atol=ATOL)
+    large_state = state[1].measure_states[1]  # measure_with_ema's state: optax's chain of (measure, ema)
+    assert isinstance(large_state[0], fadam.EmptyState) and int(large_state[1].count) == len(GRADS)
+    assert 0.0 < float(measured["large"]) < 1.0  # the flag was on for some steps only
+
+
+def test_measurements_are_of_the_updates_given_and_pass_them_through():
+    seen = []
+
+    def counting(updates, state, params=None, **extra):
+        seen.append(extra)
+        return fadam.tree_sum(updates), state
+
+    tx = fadam.monitor({"sum": fadam.GradientTransformation(lambda params: fadam.EmptyState(), counting)})
+    g = [torch.tensor([1.0, 2.0])]
+    updates, state = tx.update(g, tx.init([torch.zeros(2)]), loss=3.0)
+    assert updates is g and float(state.measurements["sum"]) == 3.0 and seen == [{"loss": 3.0}]
+    average = fadam.measure_with_ema(lambda u: fadam.tree_norm(u) > 1.0, 0.5)
+    flag, average_state = average.update(g, average.init([torch.zeros(2)]))
+    assert flag.dtype == torch.get_default_dtype() and float(flag) == 1.0  # debiased: 0.5 / (1 - 0.5)
+    assert average_state[1].ema.dtype == torch.get_default_dtype()
+    with pytest.raises(TypeError, match="expected a GradientTransformation or a callable"):
+        fadam.monitor({"norm": 2.0})
+    with pytest.raises(TypeError, match="dict"):
+        fadam.monitor([fadam.tree_norm])
+    with pytest.raises(TypeError, match="measure_name"):
+        fadam.snapshot(fadam.tree_norm, "norm")
+
+
+def test_monitor_under_vmap_measures_each_member():
+    tx = fadam.chain(fadam.monitor({"norm": fadam.tree_norm, "ema": fadam.measure_with_ema(fadam.tree_norm, 0.5)}))
+    params = [torch.zeros(3)]
+
+    def measured(g: torch.Tensor) -> torch.Tensor:
+        state = tx.init(params)
+        _, state = tx.update([g], state)
+        _, state = tx.update([2 * g], state)
+        return torch.stack([state[0].measurements["norm"], state[0].measurements["ema"]])
+
+    grads = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    out = torch.func.vmap(measured)(grads)
+    torch.testing.assert_close(out, torch.stack([measured(g) for g in grads]))
+    torch.testing.assert_close(out[:, 0], 2 * grads.norm(dim=1))
+    torch.testing.assert_close(out[:, 1], (0.25 * 1 + 0.5 * 2) / 0.75 * grads.norm(dim=1))

@@ -297,6 +297,24 @@ FACTORIES.update(
         "conditionally_transform": [
             lambda: fadam.conditionally_transform(fadam.trace(0.9), lambda step: step != 1),
         ],
+        "optimistic_adam_v2": [
+            lambda: fadam.optimistic_adam_v2(1e-2),
+            lambda: fadam.optimistic_adam_v2(_half_lr, alpha=0.5, beta=2.0, nesterov=False),
+        ],
+        "flatten": [lambda: fadam.flatten(fadam.adam(1e-2)), lambda: fadam.flatten(fadam.lars(1e-2))],
+        "snapshot": [lambda: fadam.chain(fadam.snapshot("norm", fadam.tree_norm), fadam.sgd(1e-2))],
+        "monitor": [
+            lambda: fadam.chain(
+                fadam.monitor({"norm": fadam.tree_norm, "ema": fadam.measure_with_ema(fadam.tree_norm, 0.9)}),
+                fadam.sgd(1e-2),
+            )
+        ],
+        "measure_with_ema": [
+            lambda: fadam.chain(
+                fadam.monitor({"large": fadam.measure_with_ema(lambda u: fadam.tree_norm(u) > 1.0, 0.9)}),
+                fadam.adam(1e-2),
+            )
+        ],
         "multi_transform": [
             lambda: fadam.multi_transform(
                 {"adan": fadam.adan(1e-2), "sgd": fadam.sgd(1e-2)},
