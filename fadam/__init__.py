@@ -20,6 +20,7 @@ from fadam._base import (
 )
 from fadam._checkpoint import state_from_dict, state_to_dict
 from fadam._execute import backend, explain
+from fadam._microbatching import AccumulationType, Accumulator, microbatch, reshape_batch_axis
 from fadam._muon_aliases import muon, muon_labels, muon_with_adamw
 from fadam._optax_aliases import (
     adan,
@@ -269,6 +270,8 @@ __version__ = "0.1.0"
 __all__ = [
     "backend",
     "explain",
+    "AccumulationType",
+    "Accumulator",
     "AddNoiseState",
     "ApplyEvery",
     "ApplyIfFiniteState",
@@ -387,6 +390,7 @@ __all__ = [
     "masked",
     "mars",
     "measure_with_ema",
+    "microbatch",
     "monitor",
     "multi_transform",
     "muon",
@@ -417,6 +421,7 @@ __all__ = [
     "prodigy",
     "quantize_state",
     "radam",
+    "reshape_batch_axis",
     "rmsprop",
     "rprop",
     "sam",

@@ -2,7 +2,8 @@
 of tests/test_optax_catalogue.py (NovoGrad, LARS, Adan, SM3, Fromage, noisy SGD without noise, Polyak SGD,
 optimistic gradient descent and Adam (both interfaces), centralize, adaptive_grad_clip, normalize_by_update_norm,
 keep_params_nonnegative, apply_every, conditionally_mask and conditionally_transform, flatten,
-per_example_global_norm_clip), and the measurements of monitor, snapshot and measure_with_ema along a trajectory.
+per_example_global_norm_clip), the measurements of monitor, snapshot and measure_with_ema along a trajectory, and
+the outputs of microbatch with each accumulation type.
 
 Each case runs a transform (its updates at every step, at the fixed params ``START``) or an alias (the params after
 every step, from ``START``) of optax on a fixed sequence of gradients over three leaves (a matrix, a vector and a
@@ -239,6 +240,70 @@ def monitoring() -> dict[str, Any]:
     return out
 
 
+def _loss(w: jnp.ndarray, x: jnp.ndarray, y: jnp.ndarray, s: jnp.ndarray) -> jnp.ndarray:
+    """Weighted squared error of a tanh layer; ``s`` has its batch axis second."""
+    return 0.5 * jnp.sum(s.T * (jnp.tanh(x @ w) - y) ** 2)
+
+
+def _outputs(w: jnp.ndarray, x: jnp.ndarray, y: jnp.ndarray, *, s: jnp.ndarray) -> dict[str, jnp.ndarray]:
+    return {"loss": _loss(w, x, y, s), "pred": jnp.tanh(x @ w), "rows": jnp.asarray(x.shape[0])}
+
+
+def _gradient(w: jnp.ndarray, x: jnp.ndarray, y: jnp.ndarray, *, s: jnp.ndarray) -> jnp.ndarray:
+    return jax.grad(_loss)(w, x, y, s)
+
+
+def _largest() -> Any:
+    """An accumulator of one's own: the elementwise maximum over microbatches."""
+    return optax.microbatching.Accumulator(
+        init=lambda shape: jnp.full(shape.shape, -jnp.inf, shape.dtype),
+        update=lambda carry, value, _: jnp.maximum(carry, value),
+        finalize=lambda carry: carry,
+        aggregate=lambda values: jnp.max(values, axis=0),
+    )
+
+
+# (name, function, accumulator: an AccumulationType's name, "LARGEST" or a dict of them, microbatch_size, options)
+MICROBATCH_CASES: list[tuple[str, str, Any, int, dict[str, Any]]] = [
+    ("mean-concat-sum", "outputs", {"loss": "MEAN", "pred": "CONCAT", "rows": "SUM"}, 2, {}),
+    (
+        "running-mean-early-stop",
+        "outputs",
+        {"loss": "RUNNING_MEAN", "pred": "CONCAT", "rows": "SUM"},
+        2,
+        {"num_real_microbatches": 2},
+    ),
+    ("mean-early-stop", "outputs", {"loss": "MEAN", "pred": "SUM", "rows": "SUM"}, 2, {"num_real_microbatches": 2}),
+    ("gradient-sum", "gradient", "SUM", 3, {}),
+    ("gradient-running-mean", "gradient", "RUNNING_MEAN", 1, {}),
+    ("largest", "outputs", {"loss": "SUM", "pred": "LARGEST", "rows": "SUM"}, 3, {}),
+]
+
+
+def _accumulator(spec: Any) -> Any:
+    if isinstance(spec, dict):
+        return {key: _accumulator(value) for key, value in spec.items()}
+    return _largest() if spec == "LARGEST" else getattr(optax.microbatching.AccumulationType, spec)
+
+
+def microbatching() -> dict[str, Any]:
+    """``microbatch`` over a batch of 6 rows (``x``, ``y`` on axis 0, the keyword argument ``s`` on axis 1)."""
+    rng = np.random.default_rng(1)
+    inputs = {"w": rng.normal(size=(3, 2)), "x": rng.normal(size=(6, 3)), "y": rng.normal(size=(6, 2))}
+    inputs["s"] = rng.uniform(0.5, 1.5, size=(2, 6))
+    w, x, y, s = (jnp.asarray(inputs[k]) for k in ("w", "x", "y", "s"))
+    functions = {"outputs": _outputs, "gradient": _gradient}
+    cases = []
+    for name, function, spec, size, options in MICROBATCH_CASES:
+        fun = optax.microbatch(
+            functions[function], (1, 2), size, _accumulator(spec), argnames="s", in_axes=(0, 0, 1), **options
+        )
+        result = jax.tree.map(lambda leaf: np.asarray(leaf).tolist(), fun(w, x, y, s=s))
+        cases.append({"name": name, "function": function, "accumulator": spec, "microbatch_size": size, **options})
+        cases[-1]["result"] = result
+    return {"inputs": {k: v.tolist() for k, v in inputs.items()}, "cases": cases}
+
+
 def main() -> None:
     warnings.simplefilter("ignore", DeprecationWarning)  # optimistic_adam's
     grads, losses = gradients(), values()
@@ -254,6 +319,7 @@ def main() -> None:
         "cases": cases,
         "per_example_global_norm_clip": per_example(),
         "monitoring": monitoring(),
+        "microbatch": microbatching(),
     }
     target = Path(__file__).resolve().parent.parent / "tests" / "data" / "optax_catalogue.json"
     target.write_text(json.dumps(out, separators=(",", ":")) + "\n")
