@@ -413,6 +413,26 @@ def test_flatten_makes_a_per_leaf_rule_global_within_chain_and_under_vmap():
     torch.testing.assert_close(torch.func.vmap(two_steps)(grads), torch.stack([two_steps(g) for g in grads]))
 
 
+def test_flatten_of_an_elementwise_transform_is_that_transform_under_grad():
+    """An elementwise inner transform steps each element as it would unflattened: so do the meta-gradients."""
+    params = [p.clone() for p in START.values()]
+    grads = [[g.clone() for g in step.values()] for step in GRADS[:2]]
+
+    def params_after(lr: torch.Tensor, flat: bool) -> torch.Tensor:
+        tx = fadam.sgd(lr, momentum=0.9)
+        tx = fadam.flatten(tx) if flat else tx
+        state, current = tx.init(params), params
+        for g in grads:
+            updates, state = tx.update(g, state, current)
+            current = fadam.apply_updates(current, updates)
+        return sum(leaf.square().sum() for leaf in current)
+
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    flat, plain = (torch.func.grad(params_after)(lr, flat) for flat in (True, False))
+    torch.testing.assert_close(flat, plain, rtol=1e-14, atol=0)
+    assert float(plain) != 0.0
+
+
 # -------------------------------------------------------------------------- monitor, snapshot, measure_with_ema
 
 
