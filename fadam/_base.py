@@ -125,14 +125,15 @@ def stateless_with_tree_map(fn: Callable[[torch.Tensor, torch.Tensor | None], to
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """Returns ``params + updates`` as new tensors; each result keeps its param's dtype. A ``None`` update leaves its
-    param as it is (torch.optim skips a param whose gradient is ``None``).
+    param as it is (torch.optim skips a param whose gradient is ``None``); a sparse COO update (``fadam.sgd``'s of a
+    sparse gradient) changes the elements it stores.
 
     Example:
         >>> import torch, fadam
         >>> fadam.apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), 0.5)})["w"]
         tensor([1.5000, 1.5000], dtype=torch.bfloat16)
     """
-    update_leaves, param_leaves, spec = check_leaves(updates, params)
+    update_leaves, param_leaves, spec = check_leaves(updates, params, sparse=True)
     return spec.unflatten([p if u is None else add_update(p, u) for p, u in zip(param_leaves, update_leaves)])
 
 
@@ -236,7 +237,7 @@ def step(
         # first: a new state leaf may be an old param itself, never the reverse.
         new_state = _write_into(state, new_state)
         return _write_into(params, apply_updates(params, updates)), new_state
-    update_leaves, param_leaves, _ = check_leaves(updates, params)
+    update_leaves, param_leaves, _ = check_leaves(updates, params, sparse=True)
     # DTensor shards are written in place too; updates that carry a graph (a learned lr) are added out of place,
     # since writing them in place under no_grad would cut the graph
     if not all(can_write_in_place(p) for p in param_leaves) or any(

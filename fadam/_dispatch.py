@@ -15,6 +15,8 @@ Transforms describe their math per leaf; this module says when a faster executio
 - *generated kernels* (``fadam._execute``, ``fadam._cpu_kernel``): C++ compiled from a chain's declared
   per-element math, for any chain, on plain contiguous float32/float64 CPU tensors; ``fadam._execute.ready`` is
   their precondition; ``fadam._execute`` picks torch's fused kernels first, then them, group by group.
+- *sparse gradients* (COO, as ``nn.Embedding(sparse=True)`` gives): per leaf, by the rule each transform declares
+  for them (``fadam._sparse``); no kernel walks them, since they are not strided.
 
 Measured on a 2-core CPU with torch 2.13 (benchmarks/bench_adam.py): the out-of-place ``torch._foreach_*`` ops are
 slower than a per-leaf loop on CPU (93 ms vs 40 ms for a pure Adam step over 200 tensors of 84k elements), so the pure
@@ -53,6 +55,11 @@ def is_plain_type(tensor: torch.Tensor) -> bool:
 def is_plain(tensor: torch.Tensor) -> bool:
     """A plain-type tensor (``is_plain_type``) that autograd does not need to track."""
     return is_plain_type(tensor) and not (tensor.requires_grad and torch.is_grad_enabled())
+
+
+def is_sparse(tensor: object) -> bool:
+    """A sparse COO tensor: a gradient of ``nn.Embedding(sparse=True)``, which only some transforms take."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_sparse
 
 
 def is_dtensor(tensor: object) -> bool:

@@ -11,7 +11,9 @@ A transform whose math is per element declares it as an ``Elementwise``:
   trust ratio), whose scalars feed the body like the prologue's;
 - a *body*, ``body(o, s, u, p, *slots) -> (u, *slots)``, the math of one element: ``u`` the incoming update, ``p``
   the param (``None`` unless ``uses_params``), ``s`` the scalars by name, ``o`` the operations beyond Python's
-  operators (``o.sqrt``, ``o.sign``, ``o.maximum``, ``o.where``, ``o.cast`` ...).
+  operators (``o.sqrt``, ``o.sign``, ``o.maximum``, ``o.where``, ``o.cast`` ...);
+- optionally a *sparse rule* (``SparseRule``): how the body takes a sparse COO update, at its stored elements or
+  densified (``fadam._sparse``); without one, sparse updates are refused.
 
 The same body runs on torch tensors, which is the transform's ``update`` (autograd, ``torch.func``, DTensor, the
 meta device: whatever torch ops support), and on symbols, which ``trace`` records as a ``Graph`` that a backend
@@ -34,7 +36,7 @@ import optree
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._dispatch import is_plain, real_view
+from fadam._dispatch import is_plain, is_sparse, real_view
 from fadam._numerics import dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._validation import check_state
@@ -60,6 +62,16 @@ class Carried(NamedTuple):
     init: Callable[[], torch.Tensor]
 
 
+class SparseRule(NamedTuple):
+    """How a declared transform takes a sparse COO update (the gradient of ``nn.Embedding(sparse=True)``), which
+    ``fadam._sparse`` runs: ``lazy``, its body runs on the elements the update stores (coalesced first: repeated
+    indices summed), its slots change there only and its update is sparse too; else its body runs on the densified
+    update (a momentum trace, which torch.optim keeps sparse with the same values), giving a dense update."""
+
+    lazy: bool = True
+    dense: str | None = None  # None where dense updates are taken too, else why they are refused
+
+
 class Elementwise(NamedTuple):
     """The per-element math of one transform (see the module's docstring)."""
 
@@ -76,6 +88,8 @@ class Elementwise(NamedTuple):
     # the hyperparameters by name, as given to the factory: what recognizes a run of declarations that one of torch's
     # fused kernels computes (fadam._torch_kernels)
     options: tuple[tuple[str, Any], ...] = ()
+    # how it takes sparse COO updates: a SparseRule, or why it refuses them (None: it does not say)
+    sparse: SparseRule | str | None = None
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
@@ -135,19 +149,21 @@ def elementwise(decl: Elementwise) -> GradientTransformation:
             check_state(state, decl.state_type, decl.name)
         if decl.uses_params and params is None:
             raise ValueError(f"{decl.name} needs params: call update(updates, state, params)")
-        from fadam._execute import run_update  # the executor builds on this module
+        from fadam._execute import run_update  # the executor and the sparse rules build on this module
+        from fadam._sparse import check_sparse
 
         compiled = run_update(program, updates, state, params)
         if compiled is not None:
             return compiled
         if decl.slots:
             grads, first, spec = check_leaves(
-                updates, getattr(state, decl.slots[0].name), like_what=f"the {decl.name} state (params)"
+                updates, getattr(state, decl.slots[0].name), like_what=f"the {decl.name} state (params)", sparse=True
             )
             slot_lists = [first] + [spec.flatten_up_to(getattr(state, slot.name)) for slot in decl.slots[1:]]
         else:
-            grads, _, spec = check_leaves(updates, updates if params is None else params)
+            grads, _, spec = check_leaves(updates, updates if params is None else params, sparse=True)
             slot_lists = []
+        check_sparse(program, grads, spec)
         param_leaves = spec.flatten_up_to(params) if decl.uses_params else [None] * len(grads)
         scalars = decl.scalars(state, grads)
         new_updates, new_slots = eager_stage(decl, scalars, grads, param_leaves, slot_lists)
@@ -268,7 +284,12 @@ def eager_stage(
         if decl.reduce_leaf is not None:  # this leaf's own scalars besides the step's
             own = _leaf_scalars(decl.reduce_leaf(u, params[index]), real, {})
             s = _Namespace({**s.__dict__, **own.__dict__})
-        result = decl.body(EAGER, s, real, _as_real(params[index]), *[_as_real(leaf) for leaf in leaves])
+        if is_sparse(u):  # real: complex sparse updates are refused (fadam._tree.check_leaves)
+            from fadam._sparse import sparse_body  # it runs this module's bodies
+
+            result = sparse_body(decl, s, u, params[index], leaves)
+        else:
+            result = decl.body(EAGER, s, real, _as_real(params[index]), *[_as_real(leaf) for leaf in leaves])
         out_u = result[0]
         if u.is_complex():
             out_u = torch.view_as_complex(out_u.to(real.dtype).contiguous())

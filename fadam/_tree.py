@@ -15,7 +15,7 @@ import optree
 import torch
 from torch._C import _functorch
 
-from fadam._dispatch import is_dtensor, real_view
+from fadam._dispatch import is_dtensor, is_sparse, real_view
 from fadam._numerics import dtype_for, safe_sqrt
 
 PyTree = Any
@@ -34,6 +34,11 @@ __all__ = [
     "tree_zeros_like",
     "path_str",
 ]
+
+
+class UnsupportedGradientError(ValueError, RuntimeError):
+    """A gradient a transform cannot take (a sparse one for Adam, a dense one for SparseAdam): a ``ValueError``, as
+    fadam refuses bad input, and a ``RuntimeError``, as torch.optim refuses it at its step."""
 
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
@@ -219,7 +224,7 @@ def describe_mismatch(tree: PyTree, like: PyTree, what: str, like_what: str) -> 
 
 
 def check_leaves(
-    updates: PyTree, like: PyTree, *, what: str = "updates", like_what: str = "params"
+    updates: PyTree, like: PyTree, *, what: str = "updates", like_what: str = "params", sparse: bool = False
 ) -> tuple[list[Any], list[Any], optree.PyTreeSpec]:
     """Flattens ``updates`` and ``like`` together, raising before any math if they cannot be used together.
 
@@ -227,13 +232,17 @@ def check_leaves(
     equal: the leaves of ``updates`` are then returned in ``like``'s order, with ``like``'s spec), every update a dense
     floating-point or complex ``torch.Tensor`` or ``None``, with the same shape and device as the corresponding leaf of
     ``like``, which must be floating-point or complex too. Returns both leaf lists and the tree spec.
+
+    With ``sparse``, an update may also be a real floating-point sparse COO tensor (coalesced or not) of a dense leaf
+    of ``like``: the caller then routes it by its transforms' sparse rules (``fadam._sparse``), which refuse it where
+    a transform does not take it. Without, it is refused here.
     """
-    leaves, like_leaves, spec, _ = _checked(updates, like, what, like_what)
+    leaves, like_leaves, spec, _ = _checked(updates, like, what, like_what, sparse)
     return leaves, like_leaves, spec
 
 
 def _checked(
-    updates: PyTree, like: PyTree, what: str, like_what: str
+    updates: PyTree, like: PyTree, what: str, like_what: str, sparse: bool = False
 ) -> tuple[list[Any], list[Any], optree.PyTreeSpec, bool]:
     """``check_leaves``, also saying whether the leaves of ``updates`` were put in ``like``'s order."""
     leaves, spec = tree_flatten(updates)
@@ -247,16 +256,20 @@ def _checked(
     for index, (leaf, ref) in enumerate(zip(leaves, like_leaves)):
         if leaf is None:
             continue
-        problem = _leaf_problem(leaf, ref, like_what)
+        problem = _leaf_problem(leaf, ref, like_what, sparse)
         if problem:
             raise ValueError(f"{what} leaf at {path_str(spec.paths()[index])}: {problem}")
     return leaves, like_leaves, spec, reordered
 
 
-def _leaf_problem(leaf: Any, ref: Any, like_what: str) -> str | None:
+def _leaf_problem(leaf: Any, ref: Any, like_what: str, sparse: bool = False) -> str | None:
     if not isinstance(leaf, torch.Tensor):
         return f"expected a torch.Tensor or None, got {type(leaf).__name__}"
-    if leaf.layout != torch.strided:
+    if sparse and is_sparse(leaf):
+        problem = _sparse_problem(leaf, ref, like_what)
+        if problem:
+            return problem
+    elif leaf.layout != torch.strided:
         return f"sparse or non-strided tensors ({leaf.layout}) are not supported; densify the gradient first"
     if leaf.dtype not in _OPTIMIZABLE:
         return f"dtype {leaf.dtype} is not supported: gradients and updates must be floating-point or complex"
@@ -269,6 +282,16 @@ def _leaf_problem(leaf: Any, ref: Any, like_what: str) -> str | None:
             return (
                 f"its leaf in {like_what} has dtype {ref.dtype}; only floating-point and complex params are optimized"
             )
+    return None
+
+
+def _sparse_problem(leaf: torch.Tensor, ref: Any, like_what: str) -> str | None:
+    """What a sparse COO update cannot be: complex (torch.optim's sparse paths compute in complex arithmetic where its
+    dense ones take pairs of reals), or the update of a leaf of ``like`` that is not a dense tensor."""
+    if leaf.is_complex():
+        return f"a sparse gradient of dtype {leaf.dtype}: complex sparse gradients are not supported; densify it"
+    if isinstance(ref, torch.Tensor) and ref.layout != torch.strided:
+        return f"a sparse gradient of a {ref.layout} leaf in {like_what}: sparse gradients step dense params only"
     return None
 
 
@@ -295,11 +318,14 @@ def check_params(params: PyTree, what: str = "params") -> list[Any]:
     return leaves
 
 
-def match_params(updates: PyTree, params: PyTree) -> PyTree:
-    """``updates`` checked against ``params`` (``check_leaves``), laid out as ``params`` (when they differ only in
-    their kinds of mapping), each floating-point update cast to its param's dtype where that is wider: the step is
-    computed in at least the param's precision, as torch.optim computes in the param's dtype."""
-    leaves, param_leaves, spec, reordered = _checked(updates, params, "updates", "params")
+def match_params(
+    updates: PyTree, params: PyTree, *, sparse: bool = False
+) -> tuple[PyTree, list[Any], optree.PyTreeSpec]:
+    """``updates`` checked against ``params`` (``check_leaves``, sparse COO updates taken with ``sparse``), laid out as
+    ``params`` (when they differ only in their kinds of mapping), each floating-point update cast to its param's dtype
+    where that is wider: the step is computed in at least the param's precision, as torch.optim computes in the
+    param's dtype. Returns that tree, its leaves and its spec."""
+    leaves, param_leaves, spec, reordered = _checked(updates, params, "updates", "params", sparse)
     cast = [
         u
         if u is None or u.dtype is p.dtype or not (u.is_floating_point() and p.is_floating_point())
@@ -307,5 +333,5 @@ def match_params(updates: PyTree, params: PyTree) -> PyTree:
         for u, p in zip(leaves, param_leaves)
     ]
     if not reordered and all(new is old for new, old in zip(cast, leaves)):
-        return updates
-    return spec.unflatten(cast)
+        return updates, leaves, spec
+    return spec.unflatten(cast), cast, spec

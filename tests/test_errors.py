@@ -51,10 +51,6 @@ def _python_float(g):
     g["enc"]["w"] = 0.5
 
 
-def _sparse(g):
-    g["enc"]["w"] = torch.ones(3, 2).to_sparse()
-
-
 def _shape(g):
     g["head"][0] = torch.ones(3)
 
@@ -63,12 +59,12 @@ def _device(g):
     g["head"][0] = torch.ones(2, device="meta")  # a second device on a CPU-only machine
 
 
+# sparse gradients, which some transforms take: tests/test_sparse.py
 BAD_GRADS = [
     pytest.param(_missing_leaf, "['head'][0]", id="missing-leaf"),
     pytest.param(_extra_leaf, "['head'][2]", id="extra-leaf"),
     pytest.param(_renamed_key, "['dec']", id="renamed-key"),
     pytest.param(_python_float, "['enc']['w']: expected a torch.Tensor or None, got float", id="non-tensor"),
-    pytest.param(_sparse, "['enc']['w']: sparse", id="sparse"),
     pytest.param(_shape, "['head'][0]: shape (3,) does not match expected (2,)", id="shape"),
     pytest.param(_device, "['head'][0]: device meta does not match expected cpu", id="device"),
 ]

@@ -7,6 +7,7 @@ from typing import Any
 from fadam._base import GradientTransformation
 from fadam._execute import run_update
 from fadam._program import Program, program_of, with_program
+from fadam._sparse import check_sparse
 from fadam._tree import PyTree, check_leaves, check_params, match_params
 
 
@@ -18,7 +19,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     raises a ``ValueError`` naming the leaf's path even when no member of the chain would check it. Given params, each
     update is cast to its param's dtype where that is wider (float16 gradients of float32 params are computed in
     float32, as torch.optim computes in the param's dtype) and laid out as the params (a dict and an OrderedDict with
-    the same keys are the same tree).
+    the same keys are the same tree). A sparse COO update (``nn.Embedding(sparse=True)``'s gradient) is refused then,
+    naming the member, unless every member it reaches takes it (``fadam._sparse``).
 
     Example:
         >>> import torch, fadam
@@ -44,9 +46,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transforms got a state that is not a tuple of that length")
         if params is None:
-            check_leaves(updates, updates)
+            leaves, _, spec = check_leaves(updates, updates, sparse=True)
         else:
-            updates = match_params(updates, params)
+            updates, leaves, spec = match_params(updates, params, sparse=True)
+        check_sparse(program, leaves, spec, params, state)  # each member's rule for sparse gradients
         # the generated kernel where the leaves allow it (opaque members would need the extra arguments)
         compiled = run_update(program, updates, state, params) if program.declared and not extra_args else None
         if compiled is not None:

@@ -10,6 +10,7 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._program import Program, program_of, with_program
+from fadam._sparse import check_sparse
 from fadam._tree import PyTree, check_leaves, first_difference, path_str, tree_flatten
 from fadam.transforms._validation import check_state
 
@@ -136,7 +137,9 @@ def _masked_by(
     ) -> tuple[PyTree, MaskedState]:
         check_state(state, MaskedState, "masked")
         if params is not None:
-            check_leaves(updates, params)  # before the mask is applied, so that errors name the params' paths
+            # before the mask is applied, so that errors name the params' paths
+            check_leaves(updates, params, sparse=True)
+        check_sparse(program, *tree_flatten(updates), params, state)  # each inner stage's rule for sparse gradients
         selected = selection(params if params is not None else updates)
         leaves, spec = tree_flatten(updates)
         inner_params = None if params is None else _select(params, selected)
@@ -153,7 +156,8 @@ def _masked_by(
         merged = [next(new_inner) if keep else leaf for leaf, keep in zip(leaves, selected)]
         return spec.unflatten(merged), MaskedState(inner_state)
 
-    return with_program(init, update, program_of(inner).masked(selection, "inner_state"))
+    program = program_of(inner).masked(selection, "inner_state")
+    return with_program(init, update, program)
 
 
 def partition(

@@ -14,6 +14,12 @@ from fadam.combinators._masking import masked
 from fadam.transforms._scaling import ScaleByScheduleState
 from fadam.transforms._validation import check_non_negative
 
+# why a sparse gradient is refused, with torch.optim.Adagrad's words and those torch.optim.SGD fails with
+_SPARSE_REFUSAL = (
+    "weight_decay option is not compatible with sparse gradients: the decay would make the update dense; torch.optim "
+    'refuses it too, its SGD with "add(sparse, dense) is not supported. Use add(dense, sparse) instead."'
+)
+
 
 def add_decayed_weights(
     weight_decay: ScalarOrSchedule = 0.0, mask: PyTree | Callable[[PyTree], PyTree] | None = None
@@ -54,6 +60,7 @@ def add_decayed_weights(
             body,
             uses_params=True,
             options=(("weight_decay", weight_decay),),
+            sparse=_SPARSE_REFUSAL,
         )
     )
     return tx if mask is None else masked(tx, mask)

@@ -8,7 +8,7 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._numerics import bias_correction, host_number, safe_increment
-from fadam._program import Elementwise, Slot, elementwise
+from fadam._program import Elementwise, Slot, SparseRule, elementwise
 from fadam._tree import PyTree
 from fadam.transforms._validation import check_non_negative, known_value
 
@@ -78,7 +78,11 @@ def trace(
 
     slot = Slot("trace", accumulator_dtype, moment_requires_grad)
     options = (("decay", decay), ("nesterov", nesterov), ("dampening", dampening))
-    return elementwise(Elementwise("trace", TraceState, (slot,), True, prologue, body, options=options))
+    # a sparse gradient is densified: torch.optim.SGD keeps its momentum buffer sparse, with the values of a dense one
+    decl = Elementwise(
+        "trace", TraceState, (slot,), True, prologue, body, options=options, sparse=SparseRule(lazy=False)
+    )
+    return elementwise(decl)
 
 
 class EmaState(NamedTuple):

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._program import Elementwise, Slot, elementwise
+from fadam._program import Elementwise, Slot, SparseRule, elementwise
 from fadam._tree import PyTree, check_params, tree_map
 from fadam.transforms._validation import check_non_negative
 
@@ -178,5 +178,8 @@ def scale_by_rss(
 
     slots = (Slot("sum_of_squares", nonnegative=True),)  # the initial value is checked non-negative
     options = (("initial_accumulator_value", initial_accumulator_value), ("eps", eps), ("eps_in_sqrt", eps_in_sqrt))
-    decl = Elementwise("scale_by_rss", ScaleByRssState, slots, False, prologue, body, options=options)
+    # a sparse gradient updates its stored elements only, as torch.optim.Adagrad's sparse path does
+    decl = Elementwise(
+        "scale_by_rss", ScaleByRssState, slots, False, prologue, body, options=options, sparse=SparseRule()
+    )
     return _declared(decl, init)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import EmptyState, GradientTransformation, ScalarOrSchedule, Schedule
-from fadam._program import Elementwise, elementwise
+from fadam._program import Elementwise, SparseRule, elementwise
 from fadam.transforms._validation import check_non_negative
 
 
@@ -24,7 +24,9 @@ def scaling(
     def prologue(count: None) -> dict[str, float | torch.Tensor]:
         return {"step_size": factor()}
 
-    return elementwise(Elementwise(name, EmptyState, (), False, prologue, _scale_body, options=options))
+    return elementwise(
+        Elementwise(name, EmptyState, (), False, prologue, _scale_body, options=options, sparse=SparseRule())
+    )
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -69,7 +71,9 @@ def _scheduled_scaling(
     def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
         return {"step_size": step_size_fn(count)}
 
-    return elementwise(Elementwise(name, ScaleByScheduleState, (), True, prologue, _scale_body, options=options))
+    return elementwise(
+        Elementwise(name, ScaleByScheduleState, (), True, prologue, _scale_body, options=options, sparse=SparseRule())
+    )
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
