@@ -49,6 +49,7 @@ from fadam._program import (
     trace,
     with_state_at,
 )
+from fadam._sparse import check_sparse
 from fadam._torch_kernels import shape_of, torch_kernel
 from fadam._tree import PyTree, _order_like, check_leaves, tree_paths
 from fadam.combinators._masking import _select
@@ -410,7 +411,7 @@ def _run(
     # mismatched gradients are named here, as fadam.step's own check; a state of another layout is left to the
     # transforms' updates, which name what they expected
     what = "grads" if applies else "updates"
-    grad_leaves, param_leaves, spec = check_leaves(grads, grads if params is None else params, what=what)
+    grad_leaves, param_leaves, spec = check_leaves(grads, grads if params is None else params, what=what, sparse=True)
     try:
         program, state = program.expanded(state)
         if params is None:
@@ -420,6 +421,7 @@ def _run(
         stage_leaves = _stage_leaves(program, state, grads if params is None else params, spec)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError):
         return None
+    check_sparse(program, grad_leaves, spec, params, what=what)  # before anything is written
     # gradients of another dtype than their params: chain casts them first, which the eager path does
     if params is not None and any(g is not None and g.dtype != p.dtype for g, p in zip(grad_leaves, param_leaves)):
         return None
@@ -789,7 +791,8 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
         )
     program, state = program_of(tx).expanded(state)
     paths = tree_paths(params)
-    grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
+    grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads", sparse=True)
+    check_sparse(program, grad_leaves, spec, params, what="grads")  # the step would refuse them
     leaves = _stage_leaves(program, state, params, spec)
     if leaves is None:
         return "\n".join([*lines, "eager: the state is not laid out as the transform's init lays it out"])
