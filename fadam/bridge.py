@@ -17,16 +17,21 @@ import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused, required
 
 from fadam._base import GradientTransformation, step
+from fadam._bitsandbytes_state import adam_stand_in, as_bitsandbytes, as_torch_adam, is_bitsandbytes
 from fadam._dispatch import first_overlap
 from fadam._execute import backend
+from fadam._lbfgs_state import lbfgs_from_torch, lbfgs_to_torch
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
 from fadam.aliases import adam, adamw
+from fadam.paging import PagedState
 from fadam.quantization import QuantizedArray
+from fadam.quantization._full_precision import dequantized, full_precision
 from fadam.transforms._adadelta import ScaleByAdadeltaState
 from fadam.transforms._adafactor_torch import ScaleByAdafactorTorchState
 from fadam.transforms._adam import ScaleByAdamState, ScaleByAmsgradState
 from fadam.transforms._adam_variants import ScaleByAdamaxState, ScaleByNadamState, ScaleByRadamState
 from fadam.transforms._asgd import ScaleByAsgdState, _rates, _scalar_dtype
+from fadam.transforms._lbfgs import LbfgsState
 from fadam.transforms._momentum import TraceState
 from fadam.transforms._muon import ScaleByMuonState
 from fadam.transforms._rms import ScaleByRmsState, ScaleByRssState, ScaleByRStdDevState
@@ -1318,7 +1323,11 @@ def _convert_from_torch(
     """``tx``'s state for ``params`` holding ``per_param`` (torch.optim's state of each params leaf, in order)."""
     param_leaves, spec = tree_flatten(params)
     paths = [path_str(p) for p in spec.paths()]
-    state = tx.init(params)
+    state = _unpaged(tx.init(params))
+    if isinstance(state, LbfgsState):
+        return lbfgs_from_torch(per_param, state, params, count)
+    per_param = as_torch_adam(per_param, param_leaves, paths)  # bitsandbytes' state as torch.optim.Adam's
+    state, quantized = full_precision(tx, state)
     leaves, state_spec = tree_flatten(state)
     slots = _slots(state, spec)
     found = [{key for key, value in s.items() if value is not None} for s in per_param]
@@ -1345,7 +1354,18 @@ def _convert_from_torch(
     for index, (leaf, slot) in enumerate(zip(leaves, slots)):
         if slot.param is None and slot.field == "count" and leaf is not None:
             new_leaves[index] = torch.tensor(count, dtype=leaf.dtype, device=leaf.device)
-    return state_spec.unflatten(new_leaves)
+    return quantized(state_spec.unflatten(new_leaves))
+
+
+def _unpaged(state: PyTree) -> PyTree:
+    """``state``, refused if it is paged (``fadam.page_state``): its values live in its storage, not in its leaves."""
+    nodes = optree.tree_leaves(state, is_leaf=lambda node: isinstance(node, PagedState), none_is_leaf=True)
+    if any(isinstance(node, PagedState) for node in nodes):
+        raise ValueError(
+            "a paged state (fadam.page_state, fadam.paged_*) keeps its values in its storage and does not convert: "
+            "convert the state of the unpaged transform (fadam.adamw8bit for fadam.paged_adamw8bit)"
+        )
+    return state
 
 
 def state_from_torch(
@@ -1366,14 +1386,27 @@ def state_from_torch(
     momentum buffer exists (pass ``count`` to set it, e.g. for a learning-rate schedule). Hyperparameters are not
     read: build ``tx`` with the same ones.
 
+    ``LBFGS`` keeps its whole state in its first param's dict: it becomes ``fadam.lbfgs``'s ``LbfgsState`` (its
+    counts, direction, step length, pairs, ``H_diag``, previous gradient and loss; see ``fadam._lbfgs_state``), so a
+    run continues bit for bit; the params must be given in the optimizer's order, and it keeps no step count (taken
+    as 1 once it has stepped). bitsandbytes' Adam family (``Adam8bit``, ``AdamW8bit``, ``PagedAdam8bit``,
+    ``PagedAdamW8bit``, ``Adam``, ``AdamW``; an optimizer or its ``state_dict``, recognised by its keys) converts as
+    torch.optim.Adam's state: its 8-bit moments are dequantized with its maps and scales (``fadam._bitsandbytes_state``)
+    and its float32 ones taken as they are. Its Adam decays weights decoupled: continue with ``fadam.adamw8bit`` (or
+    ``fadam.adamw``) and its ``weight_decay``. Moments that ``tx`` keeps quantized (``fadam.adam8bit``, any declared
+    transform in ``fadam.quantize_state``) are quantized with fadam's codec as ``tx`` keeps them, so they hold the
+    source's values up to half a step of fadam's map times the block's scale.
+
     Every param's torch state must hold exactly the keys ``tx``'s state maps to (``step``, ``exp_avg`` and
     ``exp_avg_sq`` for ``fadam.adam``; ``momentum_buffer`` for ``fadam.sgd`` with momentum, nothing without), or the
-    conversion is refused naming the param and both sets of keys: another optimizer's state, or a bitsandbytes
-    8-bit one. So is ``tx`` state that has no torch.optim counterpart (Lion's, an EMA, quantized moments). A torch
-    optimizer that has not stepped yet holds no state: that converts to ``tx.init(params)``.
+    conversion is refused naming the param and both sets of keys: another optimizer's state, or bitsandbytes' Lion,
+    LAMB or AdEMAMix. So is ``tx`` state that has no torch.optim counterpart (Lion's, an EMA), quantized state of an
+    opaque transform, and a paged state (``fadam.page_state``, whose values live in its storage: convert into the
+    unpaged transform's state). A torch optimizer that has not stepped yet holds no state: that converts to
+    ``tx.init(params)``.
 
     Args:
-        source: a torch.optim optimizer or its ``state_dict()``.
+        source: a torch.optim optimizer (or one of bitsandbytes' Adam family) or its ``state_dict()``.
         tx: the fadam transform that continues the run.
         params: the params, as the pytree ``tx`` sees (a list or dict, dicts in insertion order), in the optimizer's
             order (matched by identity when they are the optimizer's own tensors, by name when ``source`` is a
@@ -1432,11 +1465,18 @@ def state_to_torch(
     count (their updates do not depend on it): pass ``count``, the number of steps taken, which becomes torch's
     ``step``. ``Muon`` keeps no step: its momentum buffers are written as they are.
 
+    Quantized moments (``fadam.adam8bit``) are written dequantized, their block size read from their sizes and codes
+    (``fadam.quantization._full_precision``). ``fadam.lbfgs``'s state goes into ``torch.optim.LBFGS`` whole (in its
+    first param's dict; no ``count``: torch keeps none). For one of bitsandbytes' Adam family (``Adam8bit``,
+    ``AdamW8bit``, their paged and 32-bit variants) the Adam moments are written in its ``state_dict`` layout: 8-bit
+    (encoded to the nearest value of its maps, blocks of 256) where its configuration for the param says so
+    (``optim_bits`` 8 and at least ``min_8bit_size`` elements), float32 elsewhere. A paged state is refused.
+
     Args:
         state: the fadam state.
         params: the params, as the pytree the state was built for (a list or dict, dicts in insertion order), in the
             optimizer's order (or its own tensors).
-        optimizer: the torch.optim optimizer that continues the run.
+        optimizer: the torch.optim optimizer (or one of bitsandbytes' Adam family) that continues the run.
         count: the step count written for torch (overrides the state's).
 
     Example:
@@ -1452,6 +1492,11 @@ def state_to_torch(
     leaves, spec = _param_leaves(params)
     if isinstance(optimizer, Optimizer):
         raise TypeError("state_to_torch converts into torch.optim optimizers; a fadam.Optimizer takes tx_states")
+    state = dequantized(_unpaged(state))
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return lbfgs_to_torch(state, params, optimizer, count)
+    if is_bitsandbytes(optimizer):  # its Adam's moments, in its format
+        return as_bitsandbytes(state_to_torch(state, params, adam_stand_in(optimizer), count=count), optimizer)
     sd = optimizer.state_dict()
     opt_params = [p for g in optimizer.param_groups for p in g["params"]]
     groups_of = [g for g in optimizer.param_groups for _ in g["params"]]

@@ -158,3 +158,118 @@ def test_a_torch_muon_state_dict_loads_into_a_fadam_optimizer():
     _train_torch(model, opt, 4, 10)
     _train_torch(twin, ours, 4, 10)
     assert max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), twin.parameters())) <= 1e-12
+
+
+# --- torch.optim.LBFGS: its state lives in its first param's dict; a run continues bit for bit on either side --------
+
+LBFGS_KWARGS = {"lr": 0.5, "max_iter": 4, "history_size": 3}  # 4 iterations a step: the history fills, then shifts
+# torch's keys once it has iterated, but its scratch list "al"
+LBFGS_KEYS = ("func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss")
+
+
+def _lbfgs_torch(model: torch.nn.Module, opt: torch.optim.LBFGS, start: int, steps: int) -> None:
+    for step in range(start, start + steps):
+
+        def closure(step: int = step) -> torch.Tensor:
+            opt.zero_grad()
+            loss = _loss(model(_inputs(step)))
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+def _lbfgs_fadam(tx, model, params, state, start, steps):
+    for step in range(start, start + steps):
+
+        def value_fn(point, step=step):
+            point = {name: p.detach().requires_grad_() for name, p in point.items()}
+            loss = _loss(torch.func.functional_call(model, point, (_inputs(step),)))
+            return loss.detach(), dict(zip(point, torch.autograd.grad(loss, list(point.values()))))
+
+        loss, grads = value_fn(params)
+        params, state = tx.update.minimize(grads, state, params, value=loss, value_fn=value_fn)
+    return params, state
+
+
+def _assert_same_params(model: torch.nn.Module, params: dict) -> None:
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name
+
+
+@pytest.mark.parametrize("line_search_fn", [None, "strong_wolfe"])
+def test_a_torch_lbfgs_run_continues_in_fadam_bit_for_bit(line_search_fn):
+    model = _model(True).double()
+    opt = torch.optim.LBFGS(model.parameters(), line_search_fn=line_search_fn, **LBFGS_KWARGS)
+    _lbfgs_torch(model, opt, 0, 2)
+    first = opt.state[model[0].weight]
+    assert len(first["old_dirs"]) == 3 and "al" in first  # a full history; its scratch list is not converted
+    tx = fadam.lbfgs(line_search_fn=line_search_fn, **LBFGS_KWARGS)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = fadam.state_from_torch(opt.state_dict(), tx, params)
+    assert (int(state.n_iter), int(state.func_evals), int(state.num_old)) == (
+        first["n_iter"],
+        first["func_evals"],
+        3,
+    )
+    _lbfgs_torch(model, opt, 2, 3)
+    params, state = _lbfgs_fadam(tx, model, params, state, 2, 3)
+    _assert_same_params(model, params)
+    assert int(state.n_iter) == opt.state[model[0].weight]["n_iter"]
+    assert _max_diff(_model(True).double(), params) > 1e-2  # the runs moved the params
+
+
+@pytest.mark.parametrize("line_search_fn", [None, "strong_wolfe"])
+def test_a_fadam_lbfgs_run_continues_in_torch_bit_for_bit(line_search_fn):
+    model = _model(True).double()
+    tx = fadam.lbfgs(line_search_fn=line_search_fn, **LBFGS_KWARGS)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params, state = _lbfgs_fadam(tx, model, params, tx.init(params), 0, 2)
+    twin = _model(True).double()
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(params[name])
+    opt = torch.optim.LBFGS(twin.parameters(), line_search_fn=line_search_fn, **LBFGS_KWARGS)
+    opt.load_state_dict(fadam.state_to_torch(state, dict(twin.named_parameters()), opt))
+    assert set(opt.state[twin[0].weight]) == set(LBFGS_KEYS)
+    _lbfgs_torch(twin, opt, 2, 3)
+    params, state = _lbfgs_fadam(tx, model, params, state, 2, 3)
+    _assert_same_params(twin, params)
+
+
+def test_lbfgs_state_before_any_iteration_converts_both_ways():
+    model = _model(True).double()
+    tx = fadam.lbfgs(**LBFGS_KWARGS)
+    params = list(model.parameters())
+    opt = torch.optim.LBFGS(params, **LBFGS_KWARGS)
+    assert fadam.state_to_torch(tx.init([p.detach() for p in params]), params, opt)["state"] == {}
+    relaxed = torch.optim.LBFGS(params, **{**LBFGS_KWARGS, "tolerance_grad": 1e9})  # optimal at the first evaluation
+    _lbfgs_torch(model, relaxed, 0, 2)
+    assert relaxed.state[params[0]] == {"func_evals": 2, "n_iter": 0}
+    state = fadam.state_from_torch(relaxed, tx, params)
+    assert (int(state.func_evals), int(state.n_iter), int(state.count)) == (2, 0, 1)
+    assert fadam.state_to_torch(state, params, opt)["state"] == {0: {"func_evals": 2, "n_iter": 0}}
+
+
+def test_lbfgs_state_that_does_not_convert_is_refused():
+    model = _model(True).double()
+    params = list(model.parameters())
+    opt = torch.optim.LBFGS(params, **LBFGS_KWARGS)
+    _lbfgs_torch(model, opt, 0, 2)
+    tx = fadam.lbfgs(**LBFGS_KWARGS)
+    with pytest.raises(ValueError, match=r"keeps its state in its first param's, .* in the optimizer's order"):
+        fadam.state_from_torch(opt, tx, params[::-1])
+    with pytest.raises(ValueError, match=r"holds 3 pairs, more than fadam\.lbfgs's history_size 2"):
+        fadam.state_from_torch(opt, fadam.lbfgs(**{**LBFGS_KWARGS, "history_size": 2}), params)
+    source = opt.state_dict()
+    source["state"][0] = {key: value for key, value in source["state"][0].items() if key != "prev_loss"}
+    with pytest.raises(ValueError, match=r"expected keys \[.*'prev_loss'.*\], found \[.*'old_stps', 'prev_flat_grad'"):
+        fadam.state_from_torch(source, tx, params)
+    state = fadam.state_from_torch(opt, tx, params)
+    with pytest.raises(ValueError, match=r"torch\.optim\.LBFGS keeps no step count"):
+        fadam.state_to_torch(state, params, opt, count=2)
+    with pytest.raises(ValueError, match="in the optimizer's order"):
+        fadam.state_to_torch(state, params[::-1], opt)
+    adam = fadam.adam()
+    with pytest.raises(ValueError, match=r"converts fadam\.lbfgs's state \(LbfgsState\) into torch\.optim\.LBFGS"):
+        fadam.state_to_torch(adam.init([p.detach() for p in params]), params, opt)

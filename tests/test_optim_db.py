@@ -112,14 +112,6 @@ XFAILS: list[tuple[str, Callable[[dict[str, Any]], bool], tuple[str, ...], str]]
         "(the lr's dtype), about 1e-8 relative on float64 params; fadam.Optimizer hands the factory the lr's value as "
         "a Python float, so the products are float64",
     ),
-    (
-        "LBFGS",
-        lambda kw: True,
-        ("from_torch",),
-        "fadam.state_from_torch converts no torch.optim.LBFGS state (d, t, old_dirs, old_stps, ro, H_diag, "
-        "prev_flat_grad, prev_loss, al, func_evals, n_iter): fadam.Optimizer.load_state_dict refuses a "
-        "torch.optim.LBFGS state_dict naming the keys it found, and state_to_torch refuses LBFGS",
-    ),
 ]
 # torch.optim's own failures on a check, not refusals of the input: fadam's side is checked alone
 TORCH_BROKEN: dict[tuple[str, str], tuple[type[BaseException], str]] = {
