@@ -34,6 +34,7 @@ from fadam._optax_aliases import (
     polyak_sgd,
     sm3,
 )
+from fadam._soap_aliases import shampoo, soap
 from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop
 from fadam._tree import (
     tree_add,
@@ -201,8 +202,10 @@ from fadam.transforms._schedule_free import (
     schedule_free_eval_params,
     schedule_free_sgd,
 )
+from fadam.transforms._shampoo import ScaleByShampooState, scale_by_shampoo
 from fadam.transforms._sign import scale_by_sign
 from fadam.transforms._sm3 import ScaleBySM3State, scale_by_sm3
+from fadam.transforms._soap import ScaleBySoapState, scale_by_soap
 from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
 
 global_norm = tree_global_norm
@@ -257,6 +260,8 @@ torch.serialization.add_safe_globals(
         ScaleBySM3State,
         ScaleByScheduleState,
         ScaleBySecondMomentState,
+        ScaleByShampooState,
+        ScaleBySoapState,
         ScaleByYogiState,
         ScheduleFreeState,
         SnapshotState,
@@ -326,6 +331,8 @@ __all__ = [
     "ScaleByRpropState",
     "ScaleBySM3State",
     "ScaleByScheduleState",
+    "ScaleByShampooState",
+    "ScaleBySoapState",
     "ScaleByYogiState",
     "Schedule",
     "ScheduleFreeState",
@@ -450,8 +457,10 @@ __all__ = [
     "scale_by_rss",
     "scale_by_rprop",
     "scale_by_schedule",
+    "scale_by_shampoo",
     "scale_by_sign",
     "scale_by_sm3",
+    "scale_by_soap",
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "scale_by_yogi",
@@ -465,12 +474,14 @@ __all__ = [
     "sgd",
     "sgd8bit",
     "sgdr_schedule",
+    "shampoo",
     "sign_sgd",
     "signum",
     "skip_large_updates",
     "skip_not_finite",
     "sm3",
     "snapshot",
+    "soap",
     "state_from_dict",
     "state_from_torch",
     "state_to_dict",

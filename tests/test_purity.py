@@ -315,6 +315,18 @@ FACTORIES.update(
                 fadam.adam(1e-2),
             )
         ],
+        "soap": [
+            lambda: fadam.soap(1e-2, precondition_frequency=2),
+            lambda: fadam.soap(_half_lr, weight_decay=_half_lr, merge_dims=True, normalize_grads=True),
+        ],
+        "scale_by_soap": [lambda: fadam.scale_by_soap(precondition_frequency=2, precondition_1d=True)],
+        "shampoo": [
+            lambda: fadam.shampoo(1e-2),
+            lambda: fadam.shampoo(
+                _half_lr, momentum=0.9, use_nesterov=True, weight_decay=0.1, grafting="adagrad", precondition_1d=True
+            ),
+        ],
+        "scale_by_shampoo": [lambda: fadam.scale_by_shampoo(b2=0.99, grafting="adam", precondition_frequency=2)],
         "multi_transform": [
             lambda: fadam.multi_transform(
                 {"adan": fadam.adan(1e-2), "sgd": fadam.sgd(1e-2)},
@@ -326,6 +338,7 @@ FACTORIES.update(
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
 REAL_ONLY |= {"sm3", "scale_by_sm3"}  # as optax (maxima of the accumulator)
+REAL_ONLY |= {"soap", "scale_by_soap", "shampoo", "scale_by_shampoo"}  # real statistics and eigenbases
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
 HANDLE_STATE = {"page_state", "paged_adam", "paged_adam8bit", "paged_adamw", "paged_adamw8bit"}
 
