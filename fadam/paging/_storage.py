@@ -11,15 +11,16 @@ The disk file is its own checkpoint::
 The header holds a magic, the format version, a random file id, the SHA-256 fingerprint of the description (for
 each chunk: the param leaves it covers, the inner state's tree structure, and the shape and dtype of every state leaf),
 where the checksum tables lie, and two commit records, one per slot: ``(serial, generation, crc32 of the slot's
-checksum table, crc32 of the record)``. A slot's checksum table holds, per chunk, the CRC-32 of that chunk's state
-leaves in the slot, computed from the bytes as they are written (in memory, never read back from the disk). An update
+checksum table, crc32 of the record)``. A slot's checksum table holds, per chunk, the 64-bit checksum
+(``fadam.paging._checksum``) of that chunk's state leaves in the slot, computed from the bytes as they are written
+(in memory, never read back from the disk). An update
 invalidates the record of the slot it is about to write, writes the data, the slot's checksum table, then that record
 with a new serial: the record is the commit marker and it is written last. On load, the valid record with the highest
 serial names the slot to read; a file without one is reported as incomplete. ``verify`` checks a slot's data against
-its table (on resume); updates do not, as that would read the state a second time every step. Reads map the chunk
-being read. A fused step on the CPU copies the chunk's current slot into a writable map of the other slot and updates
-it there, in the page cache (no staging buffer, no copy out); other updates write each leaf with ``pwrite``. Either
-way only about two chunks are mapped at once.
+its table (on resume); updates do not, as that would read the state a second time every step. An open file keeps
+its data mapped (``StateFile``). A fused step on the CPU copies the chunk's current slot into the writable map of
+the other slot and updates it there, in the page cache (no staging buffer, no copy out); other updates write each
+leaf with ``pwrite``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import functools
 import hashlib
 import json
 import mmap
@@ -38,14 +38,16 @@ import struct
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 
 import torch
 
-FORMAT_VERSION = 2  # 2: CRC-32 checksums of each slot's data
+from fadam.paging._checksum import ChunkChecksum
+
+FORMAT_VERSION = 3  # 64-bit Fletcher checksums of each slot's data (``_checksum``)
+_OLDER_FORMATS = {1: "without checksums of its data", 2: "with CRC-32 checksums of its data"}
 MAGIC = b"FADAMPG\x00"
 RECORD_MAGIC = b"COMMIT\x00\x00"
 PAGE = mmap.ALLOCATIONGRANULARITY  # mmap offsets must be multiples of it
@@ -55,6 +57,7 @@ _HEADER = struct.Struct("<8sIIq32sqqq")
 _RECORD = struct.Struct("<8sqqqI")  # magic, serial, generation, slot, crc32 of the slot's checksum table
 _VERSION = struct.Struct("<I")  # at offset 8 in every format version
 _RECORD_OFFSETS = (1024, 2048)
+_CHECKSUM_BYTES = 8  # per chunk in a slot's checksum table
 
 
 def align(n: int, to: int) -> int:
@@ -122,76 +125,9 @@ def described_places(chunk: dict) -> list[LeafPlace]:
     return leaf_places(metas)[0]
 
 
-def leaves_crc(data: memoryview, places: list[LeafPlace]) -> int:
-    """The CRC-32 of a chunk's state leaves in ``data`` (the chunk's bytes), leaf after leaf; padding is not part of
-    it. A large chunk's bytes are cut into one run per thread (``torch.get_num_threads()``), checksummed in parallel
-    (``zlib.crc32`` releases the GIL) and joined with zlib's ``crc32_combine``: the same CRC, in a fraction of the
-    time, which is most of a disk step's cost on the CPU."""
-    ranges = [(place.offset, place.offset + place.nbytes) for place in places if place.nbytes]
-    runs = _runs(ranges, min(torch.get_num_threads(), _CRC_THREADS))
-    if len(runs) == 1 or _combine is None:
-        return _ranges_crc(data, ranges)
-    crcs = list(_crc_pool().map(lambda run: _ranges_crc(data, run), runs))
-    crc = crcs[0]
-    for run, part in zip(runs[1:], crcs[1:]):
-        crc = _combine(crc, part, sum(end - start for start, end in run))
-    return crc
-
-
-_CRC_THREADS = 8
-_CRC_RUN = 8 << 20  # bytes: below this a run is not worth a thread
-
-
-def _ranges_crc(data: memoryview, ranges: list[tuple[int, int]]) -> int:
-    crc = 0
-    for start, end in ranges:
-        crc = zlib.crc32(data[start:end], crc)
-    return crc
-
-
-def _runs(ranges: list[tuple[int, int]], threads: int) -> list[list[tuple[int, int]]]:
-    """``ranges`` (byte ranges, in order) cut into at most ``threads`` consecutive runs of about equal bytes."""
-    total = sum(end - start for start, end in ranges)
-    count = max(1, min(threads, total // _CRC_RUN))
-    target, runs, current, size = -(-total // count), [], [], 0
-    for start, end in ranges:
-        while start < end:
-            take = min(end - start, target - size)
-            current.append((start, start + take))
-            start, size = start + take, size + take
-            if size == target:
-                runs.append(current)
-                current, size = [], 0
-    if current:
-        runs.append(current)
-    return runs
-
-
-def _load_combine() -> Callable[[int, int, int], int] | None:
-    """zlib's ``crc32_combine`` (CRC of a concatenation from its parts' CRCs), which Python's ``zlib`` lacks."""
-    name = ctypes.util.find_library("z")
-    if name is None:
-        return None
-    try:
-        function = ctypes.CDLL(name).crc32_combine
-    except (OSError, AttributeError):
-        return None
-    function.restype = ctypes.c_ulong
-    function.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long]
-    return function
-
-
-_combine = _load_combine()
-
-
-@functools.cache
-def _crc_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="fadam-crc")
-
-
-def buffer_crc(buffer: torch.Tensor, places: list[LeafPlace]) -> int:
-    """``leaves_crc`` of a chunk's bytes held in a contiguous uint8 CPU tensor (a window, a host buffer)."""
-    return leaves_crc(_bytes_of(buffer, buffer.numel()), places) if buffer.numel() else 0
+def leaves_checksum(buffer: torch.Tensor, places: list[LeafPlace]) -> int:
+    """The checksum of a chunk's state leaves in ``buffer`` (``ChunkChecksum.of_leaves``)."""
+    return ChunkChecksum.of_leaves(buffer, places).value
 
 
 def _bytes_of(tensor: torch.Tensor, nbytes: int) -> memoryview:
@@ -228,8 +164,8 @@ def _os_error(err: OSError, path: str, doing: str, nbytes: int | None = None) ->
 def _check_version(path: str, version: int) -> None:
     if version < FORMAT_VERSION:
         raise PagedStateFileError(
-            f"{path} has the older file format {version}, without checksums of its data; this fadam reads format "
-            f"{FORMAT_VERSION}: create the file anew (resume=False)"
+            f"{path} has the older file format {version} ({_OLDER_FORMATS.get(version, 'unknown')}); this fadam reads "
+            f"format {FORMAT_VERSION}: create the file anew (resume=False)"
         )
     if version > FORMAT_VERSION:
         raise PagedStateFileError(f"{path} has file format {version}, newer than the format {FORMAT_VERSION} read here")
@@ -262,7 +198,9 @@ def _alive(pid: int) -> bool:
 
 
 class StateFile:
-    """A paged-state file: opened per use, mapped one chunk window at a time, so resident memory stays bounded."""
+    """An open paged-state file. Its data stays mapped while it is open (a read-only and a writable map of the whole
+    file), so that a chunk's pages are mapped once, not at every update: mapping a window afresh costs a page fault
+    per page written, about as much as the copy itself."""
 
     def __init__(self, path: str, fd: int, file_id: int, description: dict, table_offset: int) -> None:
         self.path, self.fd, self.file_id = path, fd, file_id
@@ -270,6 +208,7 @@ class StateFile:
         self.chunk_offsets = [chunk["offset"] for chunk in description["chunks"]]
         self.chunk_sizes = [chunk["size"] for chunk in description["chunks"]]
         self.table_offset = table_offset
+        self._maps: dict[bool, mmap.mmap] = {}
 
     # creation ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -317,7 +256,26 @@ class StateFile:
         return cls(path, fd, file_id, description, table_offset)
 
     def close(self) -> None:
+        """Closes the file and its maps; a map that a tensor still views is released when the last such tensor dies."""
+        for mapped in self._maps.values():
+            with suppress(BufferError):
+                mapped.close()
+        self._maps.clear()
         os.close(self.fd)
+
+    def same_file(self, path: str) -> bool:
+        """Whether ``path`` still names this open file (not a file created over it since)."""
+        try:
+            found, held = os.stat(path), os.fstat(self.fd)
+        except OSError:
+            return False
+        return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+    def _mapped(self, writable: bool) -> mmap.mmap:
+        if writable not in self._maps:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._maps[writable] = mmap.mmap(self.fd, os.fstat(self.fd).st_size, flags=mmap.MAP_SHARED, prot=prot)
+        return self._maps[writable]
 
     # commits ----------------------------------------------------------------------------------------------------
     def _read_record(self, slot: int) -> Commit | None:
@@ -381,77 +339,72 @@ class StateFile:
         return Commit(serial, read.generation + 1, target)
 
     def commit(self, commit: Commit, checksums: list[int], durable: bool) -> None:
-        """Writes the slot's checksum table (one CRC-32 per chunk), then the record that makes the slot current."""
-        table = struct.pack(f"<{len(checksums)}I", *checksums)
+        """Writes the slot's checksum table (one 64-bit checksum per chunk), then the record that makes the slot
+        current."""
+        table = struct.pack(f"<{len(checksums)}Q", *checksums)
         self._pwrite(table, self._table_at(commit.slot))
         if durable:
             os.fsync(self.fd)  # the data reaches the disk before the record that makes it current
         self._write_record(commit.slot, replace(commit, table_crc=zlib.crc32(table)), durable)
 
     def _table_at(self, slot: int) -> int:
-        return self.table_offset + slot * 4 * len(self.chunk_sizes)
+        return self.table_offset + slot * _CHECKSUM_BYTES * len(self.chunk_sizes)
 
     def verify(self, commit: Commit) -> None:
         """Checks every chunk of ``commit``'s slot against the checksums committed with it; raises on a mismatch."""
-        size = 4 * len(self.chunk_sizes)
+        size = _CHECKSUM_BYTES * len(self.chunk_sizes)
         table = os.pread(self.fd, size, self._table_at(commit.slot))
         if len(table) != size or zlib.crc32(table) != commit.table_crc:
             raise PagedStateFileError(
                 f"{self.path} is corrupt: the checksum table of commit {commit.serial} does not match its record"
             )
-        for k, expected in enumerate(struct.unpack(f"<{len(self.chunk_sizes)}I", table)):
+        for k, expected in enumerate(struct.unpack(f"<{len(self.chunk_sizes)}Q", table)):
             if k + 1 < len(self.chunk_sizes):
                 self.advise(k + 1, commit.slot)
             found = self._checksum(k, commit.slot)
             if found != expected:
                 raise PagedStateFileError(
-                    f"{self.path} is corrupt: chunk {k} of commit {commit.serial} has CRC-32 {found:08x}, "
-                    f"its commit recorded {expected:08x}"
+                    f"{self.path} is corrupt: chunk {k} of commit {commit.serial} has checksum {found:016x}, "
+                    f"its commit recorded {expected:016x}"
                 )
 
     def _checksum(self, chunk: int, slot: int) -> int:
-        """The CRC-32 of a chunk's state leaves in ``slot``, in the order ``write`` extends it."""
+        """The checksum of a chunk's state leaves in ``slot``."""
         size = self.chunk_sizes[chunk]
         if size == 0:
             return 0
-        offset = self.chunk_offsets[chunk] + slot * size
         places = described_places(self.description["chunks"][chunk])
-        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
-        with mapped, memoryview(mapped) as data:
-            return leaves_crc(data, places)
+        return leaves_checksum(self.window(chunk, slot), places)
 
     # data -------------------------------------------------------------------------------------------------------
     def window(self, chunk: int, slot: int, writable: bool = False) -> torch.Tensor:
-        """The bytes of one chunk's slot as a uint8 tensor over a memory map of just that range.
+        """The bytes of one chunk's slot as a uint8 tensor over the file's map.
 
-        The map is released as soon as the last tensor viewing it dies, which keeps resident memory to the chunks in
-        use. A read window is read-only: an inner transform that wrote into its input state would fault, not corrupt
-        the file. A writable window (of the slot an update writes) lets a fused step update the state where it lies
-        in the page cache, with no copy in and out; its space was reserved at creation, so no write through it can
-        fail for want of disk space.
+        A read window is read-only: an inner transform that wrote into its input state would fault, not corrupt the
+        file. A writable window (of the slot an update writes) lets a fused step update the state where it lies in
+        the page cache, with no copy in and out; its space was reserved at creation, so no write through it can fail
+        for want of disk space. The pages stay mapped while the file is open; they are the page cache's, which the
+        kernel writes back and reclaims as it does any file's.
         """
         size = self.chunk_sizes[chunk]
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         offset = self.chunk_offsets[chunk] + slot * size
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mapped = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=prot, offset=offset)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": by design
-            return torch.frombuffer(mapped, dtype=torch.uint8)
+            return torch.frombuffer(self._mapped(writable), dtype=torch.uint8, count=size, offset=offset)
 
-    def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor, crc: int) -> int:
-        """Writes one leaf with ``pwrite``: one copy into the page cache, no page faults, nothing left mapped.
-
-        Returns ``crc`` extended over the leaf's bytes, computed from the memory written: the chunk's checksum when
-        its leaves are written in order of offset, starting from 0.
-        """
+    def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor, checksum: ChunkChecksum) -> None:
+        """Writes one leaf with ``pwrite`` (one copy into the page cache, no page faults) and adds its bytes, as they
+        are in memory, to ``checksum``: the chunk's checksum when its leaves are written in order of offset."""
         if place.nbytes == 0:
-            return crc
+            return
         tensor = tensor.detach().to("cpu").contiguous()
         data = _bytes_of(tensor, place.nbytes)
         self._pwrite(data, self.chunk_offsets[chunk] + slot * self.chunk_sizes[chunk] + place.offset)
-        return zlib.crc32(data, crc)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only view of the bytes, which are only read
+            checksum.add(torch.frombuffer(data, dtype=torch.uint8))
 
     def advise(self, chunk: int, slot: int) -> None:
         """Starts reading a chunk's slot into the page cache in the background (overlaps disk reads with compute)."""
@@ -485,22 +438,21 @@ class _Builder:
     def add_chunk(self, chunk: dict, leaves: list[torch.Tensor], places: list[LeafPlace]) -> None:
         offset = self.reserve(chunk["size"])
         self.chunks.append({**chunk, "offset": offset})
-        crc = 0
+        checksum = 0
         if chunk["size"]:
             mapped = mmap.mmap(self.fd, chunk["size"], access=mmap.ACCESS_WRITE, offset=offset)
             buffer = torch.frombuffer(mapped, dtype=torch.uint8)
             for place in places:
                 view_leaf(buffer, place).copy_(leaves[place.index])
-            with memoryview(mapped) as data:
-                crc = leaves_crc(data, places)
+            checksum = leaves_checksum(buffer, places)
             del buffer
             mapped.close()
-        self.checksums.append(crc)
+        self.checksums.append(checksum)
 
     def finish(self, durable: bool) -> None:
         description = {"version": FORMAT_VERSION, "chunks": self.chunks}
         raw = json.dumps(description, sort_keys=True).encode()
-        table_offset, desc_offset = self.end, self.end + 2 * 4 * len(self.chunks)
+        table_offset, desc_offset = self.end, self.end + 2 * _CHECKSUM_BYTES * len(self.chunks)
         digest = hashlib.sha256(raw).digest()
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.file_id, digest, desc_offset, len(raw), table_offset)
         state_file = StateFile(self.path, self.fd, self.file_id, description, table_offset)

@@ -16,12 +16,12 @@ from fadam._base import FusibleUpdate, GradientTransformation, add_update
 from fadam._dispatch import can_write_in_place, is_dtensor
 from fadam._execute import fast_step
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
+from fadam.paging._checksum import ChunkChecksum
 from fadam.paging._storage import (
     Commit,
     LeafPlace,
     PagedStateFileError,
     StateFile,
-    buffer_crc,
     host_buffers,
     leaf_places,
     release_freed_memory,
@@ -266,7 +266,7 @@ class _StorageAccess:
                 )
             self.read_commit = state_file.find(int(state.serial))
             self.write_commit: Commit | None = None
-            self.checksums = [0] * len(state_file.chunk_sizes)  # of the chunks written, extended leaf by leaf
+            self.checksums = [ChunkChecksum() for _ in state_file.chunk_sizes]  # of the chunks written
 
     def begin(self) -> None:
         if self.file is None:
@@ -291,11 +291,11 @@ class _StorageAccess:
     def store(self, k: int, place: LeafPlace, leaf: torch.Tensor) -> None:
         """Writes one leaf of chunk ``k`` with ``pwrite``; the leaves of a chunk come in order of offset, as its
         checksum needs."""
-        self.checksums[k] = self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
+        self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
 
     def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace]) -> None:
         """Chunk ``k``'s new state lies in ``window`` (from ``write``): its checksum, from those bytes."""
-        self.checksums[k] = buffer_crc(window, places)
+        self.checksums[k] = ChunkChecksum.of_leaves(window, places)
 
     def advise(self, k: int) -> None:
         if self.file is not None:
@@ -306,7 +306,7 @@ class _StorageAccess:
         if self.file is None:
             state.slot_serials[self.write_slot] = self.new_serial
             return state._replace(serial=torch.tensor(self.new_serial, dtype=torch.int64))
-        self.file.commit(self.write_commit, self.checksums, self.durable)
+        self.file.commit(self.write_commit, [checksum.value for checksum in self.checksums], self.durable)
         return state._replace(serial=torch.tensor(self.write_commit.serial, dtype=torch.int64))
 
 
@@ -350,21 +350,22 @@ def page_state(
     from disk the kernel reads the next chunk ahead).
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
-    ``"disk"``: a file at ``path``, mapped one chunk at a time, so the state may exceed RAM and resident memory stays
-    at about two chunks. A fused step on the CPU (``fadam.step``) copies a chunk's current copy into a writable map of
-    the other copy and updates it there, in the page cache (no buffer in between, nothing copied out); ``update``
-    and steps on an accelerator write each new leaf with ``pwrite``. The file is a checkpoint:
-    ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
-    optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
-    killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
-    is reported as incomplete. Each commit records a CRC-32 of every chunk it wrote, computed from the bytes written
-    (one more pass over the state in memory each step, not a read of the file, on up to ``torch.get_num_threads()``
-    threads: on the CPU it costs more than the step's arithmetic); ``resume=True`` reads the committed
-    state once to check it and refuses a file whose data does not match, naming the chunk. Updates do not re-check
-    what they read (that would be a second pass over the state every step). A file written before the state was
-    checksummed (format version 1) is refused. An ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that
-    killed inits left behind, where that process is gone. ``durable=True`` also flushes to the disk before each
-    commit (power-loss safety, at the cost of writing the state to the disk every step).
+    ``"disk"``: a file at ``path``, kept open and mapped between updates (its pages are the page cache's, which the
+    kernel writes back and reclaims as it does any file's), so the state may exceed RAM. A fused step on the CPU
+    (``fadam.step``) copies a chunk's current copy into the writable map of the other copy and updates it there, in
+    the page cache (no buffer in between, nothing copied out); ``update`` and steps on an accelerator write each new
+    leaf with ``pwrite``. The file is a checkpoint: ``page_state(..., resume=True)``'s ``init`` reopens it after
+    checking that it belongs to the same model and optimizer. It keeps two copies of the state; an update writes the
+    other copy and then flips a commit record, so a killed process leaves either the previous or the new step, never
+    a mix, and a file whose creation was interrupted is reported as incomplete. Each commit records a 64-bit checksum
+    of every chunk it wrote (two running sums over its 64-bit words, ``fadam.paging._checksum``), computed from the
+    bytes written: one more pass over the state in memory each step, not a read of the file, at memory speed on
+    ``torch.get_num_threads()`` threads; ``resume=True`` reads the committed state once to check it and refuses a
+    file whose data does not match, naming the chunk. Updates do not re-check what they read (that would be a second
+    pass over the state every step). A file of an older format (1: no checksums; 2: CRC-32 checksums) is refused. An
+    ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that killed inits left behind, where that process is
+    gone. ``durable=True`` also flushes to the disk before each commit (power-loss safety, at the cost of writing the
+    state to the disk every step).
 
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
@@ -415,6 +416,7 @@ def page_state(
     given_path = os.fspath(path) if path is not None else None
 
     layouts = _Layouts()
+    held = _HeldFile()
 
     def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
         return [leaves[i] for i in group] if per_leaf else params
@@ -534,7 +536,7 @@ def page_state(
         param_leaves = tree_flatten(params)[0] if params is not None else None
         if storage == "host" and len(state.buffers) != len(chunks):
             raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
-        state_file = StateFile.open(_path_of(state)) if storage == "disk" else None
+        state_file = held.get(state) if storage == "disk" else None
         try:
             access = _StorageAccess(state, state_file, durable, in_place)
             access.begin()
@@ -559,8 +561,7 @@ def page_state(
             next(pipeline, None)  # runs to the end: waits for the last write-backs
             return access.finish()
         finally:
-            if state_file is not None:
-                state_file.close()
+            del state_file
 
     def update(
         updates: PyTree, state: PagedState, params: PyTree | None = None, **extra_args: Any
@@ -621,6 +622,34 @@ def page_state(
         return torch.compiler.disable(fn, reason="page_state streams its state chunk by chunk outside the graph")
 
     return GradientTransformation(eager(init), FusibleUpdate(eager(update), eager(fused_step)))
+
+
+class _HeldFile:
+    """The file of the disk-paged state updated last, kept open (and mapped: see ``StateFile``) until a state of
+    another file is updated, the file at its path is replaced, or no state refers to it any more."""
+
+    def __init__(self) -> None:
+        self._file: StateFile | None = None
+        self._key: weakref.ref | None = None  # the path tensor its states share
+
+    def get(self, state: PagedState) -> StateFile:
+        path = _path_of(state)
+        if self._file is not None and self._key() is state.path and self._file.same_file(path):
+            return self._file
+        self.release()
+        self._file = StateFile.open(path)
+        self._key = weakref.ref(state.path)
+        weakref.finalize(state.path, self._release, self._file)
+        return self._file
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file = self._key = None
+
+    def _release(self, file: StateFile) -> None:
+        if self._file is file:
+            self.release()
 
 
 class _Fetched:
