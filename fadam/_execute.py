@@ -371,15 +371,18 @@ class _Step(NamedTuple):
     new_params: Leaves
     applied: list[bool]
     leaves: dict[tuple, _StageLeaves]
+    into: dict[tuple, _StageLeaves] | None  # where the new slots go (``run_step``'s ``into``), else None
 
 
 def run_step(
-    program: Program, params: PyTree, grads: PyTree, state: PyTree, donate: bool
+    program: Program, params: PyTree, grads: PyTree, state: PyTree, donate: bool, into: PyTree | None = None
 ) -> tuple[PyTree, PyTree] | None:
     """One step of ``program`` with the generated kernel where leaves allow it, or ``None`` when no leaf can take it
     (the caller then runs ``update`` and ``apply_updates``). State of another layout also gives ``None``, so that the
-    transforms' own checks name what they expected."""
-    ran = _run(program, grads, state, params, donate, applies=True)
+    transforms' own checks name what they expected. ``into``: a state laid out as ``state`` whose slot leaves take
+    the new slots where the generated kernel computes them (it reads ``state`` and writes there: no copy; torch's
+    fused kernels, which update in place, then do not run); the returned state holds them."""
+    ran = _run(program, grads, state, params, donate, applies=True, into=into)
     if ran is None:
         return None
     step, state, spec = ran
@@ -406,7 +409,13 @@ def run_update(program: Program, updates: PyTree, state: PyTree, params: PyTree 
 
 
 def _run(
-    program: Program, grads: PyTree, state: PyTree, params: PyTree | None, donate: bool, applies: bool
+    program: Program,
+    grads: PyTree,
+    state: PyTree,
+    params: PyTree | None,
+    donate: bool,
+    applies: bool,
+    into: PyTree | None = None,
 ) -> tuple[_Step, PyTree, Any] | None:
     # mismatched gradients are named here, as fadam.step's own check; a state of another layout is left to the
     # transforms' updates, which name what they expected
@@ -419,6 +428,12 @@ def _run(
                 return None  # the transform's own update names what is missing
             param_leaves = [None] * len(grad_leaves)
         stage_leaves = _stage_leaves(program, state, grads if params is None else params, spec)
+        into_leaves = None
+        if into is not None:
+            # the expanded program's paths name the same places in an unexpanded state, whose layout ``into`` has
+            into_leaves = _stage_leaves(program, into, params, spec)
+            if into_leaves is None:
+                return None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError):
         return None
     check_sparse(program, grad_leaves, spec, params, what=what)  # before anything is written
@@ -428,7 +443,8 @@ def _run(
     parts = segments(program)
     if stage_leaves is None or not _any_fast_leaf(parts, param_leaves, grad_leaves, stage_leaves, applies):
         return None
-    step = _Step(list(param_leaves), list(grad_leaves), list(param_leaves), [False] * len(param_leaves), stage_leaves)
+    count = len(param_leaves)
+    step = _Step(list(param_leaves), list(grad_leaves), list(param_leaves), [False] * count, stage_leaves, into_leaves)
     for number, part in enumerate(parts):
         if part.opaque:
             stage = part.stages[0]
@@ -436,7 +452,8 @@ def _run(
             state = with_state_at(state, stage.path, new_state)
         else:
             last = number == len(parts) - 1
-            state = _run_segment(part, state, step, applies and last, donate, _torch_kernels_may_run(parts, applies))
+            torch_kernels = _torch_kernels_may_run(parts, applies) and into is None
+            state = _run_segment(part, state, step, applies and last, donate, torch_kernels)
     return step, state, spec
 
 
@@ -458,10 +475,14 @@ def _run_opaque(stage: Stage, spec: Any, updates: Leaves, state: Any, params: Py
     return [next(new_leaves) if keep else u for u, keep in zip(updates, selected)], new_state
 
 
-def fast_step(tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: bool) -> tuple[PyTree, PyTree] | None:
+def fast_step(
+    tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: bool, into: PyTree | None = None
+) -> tuple[PyTree, PyTree] | None:
     """``tx``'s step by the fastest backend these tensors allow (``fadam.backend`` says which may run): a wrapper's own
     step (``FusibleUpdate``), else its program, where each group of leaves takes torch's fused kernel, the generated
-    kernel or eager ops; ``None`` where no leaf takes a kernel (the caller runs ``update`` and ``apply_updates``)."""
+    kernel or eager ops; ``None`` where no leaf takes a kernel (the caller runs ``update`` and ``apply_updates``).
+    ``into`` (``run_step``'s): where the new state's slots go; a wrapper's own step, which updates its state in
+    place, gets ``state`` copied there first."""
     # while torch.compile traces, a wrapper's step decides for itself (paging runs outside the graph) and the program
     # is left to inductor, which fuses the traced update
     compiling = torch.compiler.is_compiling()
@@ -469,11 +490,19 @@ def fast_step(tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: boo
         return None
     fused_step = getattr(tx.update, "fused_step", None)
     if fused_step is not None:
-        result = fused_step(params, grads, state, donate)
+        result = fused_step(params, grads, state if into is None else _copied(state, into), donate)
         if result is not None:
             return result
     program = getattr(tx.update, "program", None)
-    return None if program is None or compiling else run_step(program, params, grads, state, donate)
+    return None if program is None or compiling else run_step(program, params, grads, state, donate, into)
+
+
+def _copied(state: PyTree, into: PyTree) -> PyTree:
+    """``into`` holding ``state``'s values (its tensor leaves copied in)."""
+    for source, target in zip(optree.tree_leaves(state), optree.tree_leaves(into)):
+        if isinstance(target, torch.Tensor):
+            target.copy_(source)
+    return into
 
 
 def _segment_slots(part: Segment, leaves: dict[tuple, _StageLeaves], count: int) -> list[list[Any]]:
@@ -539,6 +568,7 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
     new_slots = [[list(slot) for slot in entry.slots] for entry in entries]
     torch_first = torch_kernels and not eager_only
     slot_rows = _segment_slots(part, step.leaves, len(step.params)) if not eager_only else []
+    target_rows = _segment_slots(part, step.into, len(step.params)) if step.into and not eager_only else None
     for applying, members in groups.items():
         chosen = [k for k, flag in enumerate(applying) if flag]
         if torch_first and chosen:
@@ -549,10 +579,12 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         if not eager_only and chosen:
             for i in members:
                 slots = slot_rows[i]
-                if ready(_reference(step, i), step.updates[i], slots, grad_enabled, storage):
+                if ready(_reference(step, i), step.updates[i], slots, grad_enabled, storage) and (
+                    target_rows is None or ready(_reference(step, i), step.updates[i], target_rows[i], False, storage)
+                ):
                     kernel[i] = slots
         if kernel:
-            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate)
+            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate, target_rows)
         taken = kernel
         eager = [i for i in members if i not in taken]
         if eager and chosen:
@@ -665,9 +697,10 @@ def _run_kernel(
     new_slots: list,
     applies: bool,
     donate: bool,
+    targets: list[list[Any]] | None = None,
 ) -> None:
     """Runs the stages ``chosen`` of ``part`` in the generated kernel on ``members`` (leaf -> its slot leaves, which
-    the kernel reads and, donated, writes)."""
+    the kernel reads and writes where donated; elsewhere, or in ``targets``, each leaf's slot leaves to write)."""
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(tuple(decls), applies)
     values = scalar_values([scalars[k] for k in chosen], traced.graph)
@@ -705,7 +738,10 @@ def _run_kernel(
                 own = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
                 leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
             slot_in = members[i]
-            slot_out = slot_in if donate else [_empty_like(t) for t in slot_in]
+            if targets is not None:
+                slot_out = targets[i]
+            else:
+                slot_out = slot_in if donate else [_empty_like(t) for t in slot_in]
             final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
             pointed = [*_pointed(slot_in), *_pointed(slot_out)] if quantized_group else [*slot_in, *slot_out]
             row = [u, p, *pointed, final] if reads_params else [u, *pointed, final]

@@ -352,28 +352,32 @@ def page_state(
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
     ``"disk"``: a file at ``path``, kept open and mapped between updates (its pages are the page cache's, which the
     kernel writes back and reclaims as it does any file's), so the state may exceed RAM. A fused step on the CPU
-    (``fadam.step``) copies a chunk's current copy into the writable map of the other copy and updates it there, in
-    the page cache (no buffer in between, nothing copied out); ``update`` and steps on an accelerator write each new
-    leaf with ``pwrite``. The file is a checkpoint: ``page_state(..., resume=True)``'s ``init`` reopens it after
-    checking that it belongs to the same model and optimizer. It keeps two copies of the state; an update writes the
-    other copy and then flips a commit record, so a killed process leaves either the previous or the new step, never
-    a mix, and a file whose creation was interrupted is reported as incomplete. Each commit records a 64-bit checksum
-    of every chunk it wrote (two running sums over its 64-bit words, ``fadam.paging._checksum``), computed from the
-    bytes written: one more pass over the state in memory each step, not a read of the file, at memory speed on
-    ``torch.get_num_threads()`` threads; ``resume=True`` reads the committed state once to check it and refuses a
-    file whose data does not match, naming the chunk. Updates do not re-check what they read (that would be a second
-    pass over the state every step). A file of an older format (1: no checksums; 2: CRC-32 checksums) is refused. An
-    ``init`` on ``path`` removes the ``<path>.tmp-<pid>`` files that killed inits left behind, where that process is
-    gone. ``durable=True`` also flushes to the disk before each commit (power-loss safety, at the cost of writing the
-    state to the disk every step).
+    (``fadam.step``) reads a chunk's current copy where it lies and writes the new state into the writable map of the
+    other copy, in the page cache (no buffer in between, no copy in or out): the generated kernel does that;
+    torch's fused kernels, which update their state in place, would need the copy made first, so a disk-paged chain
+    of theirs (``adamw``) takes the generated kernel instead, whose numbers are the eager path's. ``update`` and
+    steps on an accelerator write each new leaf with ``pwrite``. The file is a checkpoint:
+    ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
+    optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
+    killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
+    is reported as incomplete. Each commit records a 64-bit checksum of every chunk it wrote (two running sums over
+    its 64-bit words, ``fadam.paging._checksum``), computed from the bytes written: one more pass over the state in
+    memory each step, not a read of the file, at memory speed on ``torch.get_num_threads()`` threads;
+    ``resume=True`` reads the committed state once to check it and refuses a file whose data does not match, naming
+    the chunk. Updates do not re-check what they read (that would be a second pass over the state every step). A
+    file of an older format (1: no checksums; 2: CRC-32 checksums) is refused. An ``init`` on ``path`` removes the
+    ``<path>.tmp-<pid>`` files that killed inits left behind, where that process is gone. ``durable=True`` also
+    flushes to the disk before each commit (power-loss safety, at the cost of writing the state to the disk every
+    step).
 
     **Purity.** ``update`` never writes the storage its input state reads: it writes the spare copy, which the
     returned state reads. The input state stays valid until the next update overwrites that spare, so an update may
     be retried from the state before it (a skipped step); a state older than that is refused as stale. ``fadam.step``
     applies each chunk's updates as soon as they are computed, so with ``per_leaf=True`` the full update tree is
     never materialized either, and steps each chunk by the backend the unpaged step would take (torch's fused
-    kernel, the generated kernel); with ``donate=True`` a host state is updated in its own buffers (the caller gave
-    it up), while a disk state still goes to the other copy (the file must stay consistent).
+    kernel, the generated kernel; on disk the generated one, as said above); with ``donate=True`` a host state is
+    updated in its own buffers (the caller gave it up), while a disk state still goes to the other copy (the file
+    must stay consistent).
 
     **DTensor params (FSDP2).** The storage holds each rank's local shard of a DTensor state leaf, and the layout
     keeps its mesh, placements and global shape, so a chunk streams in as DTensors laid out as ``inner`` made them;
@@ -606,7 +610,11 @@ def page_state(
             params_k = [param_leaves[i] for i in group]
             if not donate:
                 params_k = [p.clone() for p in params_k]
-            result = fast_step(inner, params_k, grads_k, chunk.owned(), True)
+            target = chunk.target()
+            if target is not None:  # a file's slot: the step reads the chunk's state and writes its new one there
+                result = fast_step(inner, params_k, grads_k, chunk.state, True, into=target)
+            else:
+                result = fast_step(inner, params_k, grads_k, chunk.owned(), True)
             if result is None:
                 return None
             for i, p in zip(group, result[0]):
@@ -654,13 +662,19 @@ class _HeldFile:
 
 class _Fetched:
     """One chunk's state on the compute device (``state``, read-only), a copy of it that may be written in place
-    (``owned()``; on the CPU its leaves, ``given``, lie in the storage), and how its new state goes back to storage
-    (``store``)."""
+    (``owned()``), or, disk-paged on the CPU, the slot its new state goes to (``target()``, a state of the same
+    layout over the file's writable map; ``None`` elsewhere), and how its new state goes back to storage
+    (``store``). The leaves ``owned`` or ``target`` handed out (``given``) lie in the storage."""
 
     def __init__(
-        self, state: PyTree, store: Callable[[list[Any]], None], owned: Callable[[], PyTree], given: list[Any]
+        self,
+        state: PyTree,
+        store: Callable[[list[Any]], None],
+        owned: Callable[[], PyTree],
+        target: Callable[[], PyTree | None],
+        given: list[Any],
     ) -> None:
-        self.state, self.store, self.owned, self.given = state, store, owned, given
+        self.state, self.store, self.owned, self.target, self.given = state, store, owned, target, given
 
 
 def _pipeline(
@@ -755,8 +769,16 @@ def _pipeline(
                 [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in leaves]
             )
 
-        yield _Fetched(state, store, owned, given)
-        del state, buffer, store, owned, source, working, given
+        def target(k: int = k, working: Any = working, given: Any = given) -> PyTree | None:
+            if access.file is None or devices[k].type != "cpu":
+                return None
+            working.append(access.write(k))  # the slot being written, mapped: the new state goes there
+            tree = _materialize(working[0], chunks[k], devices[k], None)
+            given[:] = tree_flatten(tree)[0]
+            return tree
+
+        yield _Fetched(state, store, owned, target, given)
+        del state, buffer, store, owned, target, source, working, given
     for stream in streams.values():
         stream.d2h.synchronize()
 
