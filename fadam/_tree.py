@@ -107,9 +107,10 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     of ``vector_norm`` is NaN at a zero leaf, which would poison meta-gradients through ``clip_by_global_norm``.
 
     Leaves may live on several devices (model parallel): each leaf's norm is taken on its own device and the squares
-    are summed on the first leaf's device. A DTensor leaf (FSDP2) gives a partial norm per rank, reduced here across
-    its mesh with ``full_tensor()``, a collective: every rank must call this with the same tree. The result is then a
-    plain tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
+    are summed on the first leaf's device. DTensor leaves (FSDP2) sharded or replicated over a mesh add their local
+    shards' squares on each rank, and those sums are reduced across the mesh's sharded dimensions in one collective
+    per mesh and layout (not one per leaf): every rank must call this with the same tree. The result is then a plain
+    tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
     """
     leaves = [x for x in tree_leaves(tree) if x is not None]
     if not leaves:
@@ -121,20 +122,45 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
         _functorch.is_gradtrackingtensor(x) or (x.requires_grad and torch.is_grad_enabled()) for x in leaves
     )
     squares = []
+    local_squares: dict[tuple, list[torch.Tensor]] = {}  # per mesh and layout: the local shards' squares
     for x in leaves:
-        if traced and not is_dtensor(x):
+        layout = _reducible_layout(x) if is_dtensor(x) else None
+        if layout is not None:
+            local_squares.setdefault(layout, []).append(torch.linalg.vector_norm(x.to_local()) ** 2)
+        elif traced and not is_dtensor(x):
             flat = real_view(x).reshape(-1)
             squares.append(torch.dot(flat, flat))
-            continue
-        norm = torch.linalg.vector_norm(x)
-        if is_dtensor(norm):
-            norm = norm.full_tensor()
-        squares.append(norm**2)
+        else:
+            norm = torch.linalg.vector_norm(x)
+            squares.append((norm.full_tensor() if is_dtensor(norm) else norm) ** 2)
+    for layout, found in local_squares.items():
+        squares.append(_reduced(sum(found[1:], found[0]), layout))
     device = squares[0].device
     # a copy to the CPU must be blocking (its value is read right away); copies between accelerators need no host sync
     squares = [s if s.device == device else s.to(device, non_blocking=device.type != "cpu") for s in squares]
     total = sum(squares[1:], squares[0])
     return safe_sqrt(total) if traced else torch.sqrt(total)
+
+
+def _reducible_layout(x: Any) -> tuple | None:
+    """A DTensor's mesh and which of its mesh dimensions shard it, where each placement is a ``Shard`` (its ranks hold
+    disjoint parts) or a ``Replicate`` (each holds the same): the sum of the local squares over the sharded dimensions
+    is then the whole tensor's. ``None`` for other placements (partial values), which reduce leaf by leaf."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not all(isinstance(p, (Shard, Replicate)) for p in x.placements):
+        return None
+    return x.device_mesh, tuple(isinstance(p, Shard) for p in x.placements)
+
+
+def _reduced(local: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The sum of every rank's ``local`` over the layout's sharded mesh dimensions (one all-reduce), as a plain
+    tensor."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh, sharded = layout
+    placements = [Partial() if shards else Replicate() for shards in sharded]
+    return DTensor.from_local(local, mesh, placements, run_check=False).full_tensor()
 
 
 def _is_empty_node(x: Any) -> bool:

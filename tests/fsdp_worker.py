@@ -154,6 +154,7 @@ def _shard_dim1(param: torch.nn.Parameter) -> object:
 
 def main(out: Path) -> None:
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -222,7 +223,18 @@ def main(out: Path) -> None:
                 results["continued"][(name, key)] = _full(continue_training(start, state_, tx, grads_))
     mesh = params["0.weight"].device_mesh
     sharded_grads = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in dtensor_grads()[0].items()}
-    results["global_norm"] = fadam.tree_global_norm(sharded_grads)  # a collective, on every rank
+    all_reduce, reductions = funcol.all_reduce, []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        reductions.append(1)
+        return all_reduce(*args, **kwargs)
+
+    funcol.all_reduce = counted
+    try:
+        results["global_norm"] = fadam.tree_global_norm(sharded_grads)  # a collective, on every rank
+    finally:
+        funcol.all_reduce = all_reduce
+    results["global_norm_reductions"] = (len(sharded_grads), len(reductions))
     if rank == 0:
         torch.save(results, out / "results.pt")
     dist.barrier()

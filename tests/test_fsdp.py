@@ -83,6 +83,8 @@ def test_global_norm_of_dtensors_is_reduced_across_ranks(distributed_run: tuple[
     norm = distributed_run[1]["global_norm"]
     assert type(norm) is torch.Tensor and norm.shape == ()  # a plain tensor, equal on every rank
     torch.testing.assert_close(norm, fadam.tree_global_norm(dtensor_grads()[0]), rtol=1e-6, atol=0)
+    leaves, reductions = distributed_run[1]["global_norm_reductions"]
+    assert leaves > 1 and reductions == 1  # one all-reduce for every leaf sharded alike, not one per leaf
 
 
 @contextlib.contextmanager
