@@ -34,6 +34,7 @@ from fadam._optax_aliases import (
     polyak_sgd,
     sm3,
 )
+from fadam._psgd_aliases import psgd_kron
 from fadam._soap_aliases import shampoo, soap
 from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop
 from fadam._tree import (
@@ -184,6 +185,7 @@ from fadam.transforms._novograd import ScaleByNovogradState, scale_by_novograd
 from fadam.transforms._optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
 from fadam.transforms._polyak import scale_by_polyak
 from fadam.transforms._prodigy import ProdigyState, prodigy
+from fadam.transforms._psgd_kron import ScaleByPsgdKronState, scale_by_psgd_kron
 from fadam.transforms._rms import (
     ScaleByRmsState,
     ScaleByRssState,
@@ -252,6 +254,7 @@ torch.serialization.add_safe_globals(
         ScaleByNadamState,
         ScaleByNovogradState,
         ScaleByOptimisticGradientState,
+        ScaleByPsgdKronState,
         ScaleByRStdDevState,
         ScaleByRadamState,
         ScaleByRmsState,
@@ -324,6 +327,7 @@ __all__ = [
     "ScaleByNadamState",
     "ScaleByNovogradState",
     "ScaleByOptimisticGradientState",
+    "ScaleByPsgdKronState",
     "ScaleByRStdDevState",
     "ScaleByRadamState",
     "ScaleByRmsState",
@@ -426,6 +430,7 @@ __all__ = [
     "polyak_sgd",
     "polynomial_schedule",
     "prodigy",
+    "psgd_kron",
     "quantize_state",
     "radam",
     "reshape_batch_axis",
@@ -452,6 +457,7 @@ __all__ = [
     "scale_by_optimistic_gradient",
     "scale_by_param_block_rms",
     "scale_by_polyak",
+    "scale_by_psgd_kron",
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_rss",

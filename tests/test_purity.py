@@ -327,6 +327,17 @@ FACTORIES.update(
             ),
         ],
         "scale_by_shampoo": [lambda: fadam.scale_by_shampoo(b2=0.99, grafting="adam", precondition_frequency=2)],
+        "psgd_kron": [
+            lambda: fadam.psgd_kron(1e-2),
+            lambda: fadam.psgd_kron(
+                _half_lr, weight_decay=0.1, preconditioner_update_probability=0.5, partition_grads=True, block_size=2
+            ),
+        ],
+        "scale_by_psgd_kron": [
+            lambda: fadam.scale_by_psgd_kron(
+                min_ndim_triangular=1, memory_save_mode="one_diag", momentum_into_precond_update=False
+            )
+        ],
         "multi_transform": [
             lambda: fadam.multi_transform(
                 {"adan": fadam.adan(1e-2), "sgd": fadam.sgd(1e-2)},
@@ -339,6 +350,7 @@ REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by def
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
 REAL_ONLY |= {"sm3", "scale_by_sm3"}  # as optax (maxima of the accumulator)
 REAL_ONLY |= {"soap", "scale_by_soap", "shampoo", "scale_by_shampoo"}  # real statistics and eigenbases
+REAL_ONLY |= {"psgd_kron", "scale_by_psgd_kron"}  # real triangular factors
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
 HANDLE_STATE = {"page_state", "paged_adam", "paged_adam8bit", "paged_adamw", "paged_adamw8bit"}
 
