@@ -36,7 +36,7 @@ from fadam._optax_aliases import (
 )
 from fadam._psgd_aliases import psgd_kron
 from fadam._soap_aliases import shampoo, soap
-from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop
+from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop, sparse_adam
 from fadam._tree import (
     tree_add,
     tree_cast,
@@ -93,7 +93,7 @@ from fadam.aliases import (
     signum,
     yogi,
 )
-from fadam.bridge import Optimizer, state_from_torch, state_to_torch
+from fadam.bridge import Optimizer, SparseAdam, state_from_torch, state_to_torch
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._conditionality import (
     ConditionallyMaskState,
@@ -208,6 +208,7 @@ from fadam.transforms._shampoo import ScaleByShampooState, scale_by_shampoo
 from fadam.transforms._sign import scale_by_sign
 from fadam.transforms._sm3 import ScaleBySM3State, scale_by_sm3
 from fadam.transforms._soap import ScaleBySoapState, scale_by_soap
+from fadam.transforms._sparse_adam import scale_by_sparse_adam
 from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
 
 global_norm = tree_global_norm
@@ -342,6 +343,7 @@ __all__ = [
     "ScheduleFreeState",
     "Sharded",
     "SnapshotState",
+    "SparseAdam",
     "TraceState",
     "ZeroNansState",
     "adabelief",
@@ -466,6 +468,7 @@ __all__ = [
     "scale_by_shampoo",
     "scale_by_sign",
     "scale_by_sm3",
+    "scale_by_sparse_adam",
     "scale_by_soap",
     "scale_by_stddev",
     "scale_by_trust_ratio",
@@ -488,6 +491,7 @@ __all__ = [
     "sm3",
     "snapshot",
     "soap",
+    "sparse_adam",
     "state_from_dict",
     "state_from_torch",
     "state_to_dict",

@@ -18,6 +18,7 @@ to its param (``fadam.apply_updates``) changes the stored elements only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optree
@@ -37,14 +38,28 @@ _TAKERS = (
 def sparse_body(decl: Elementwise, s: Any, u: torch.Tensor, p: torch.Tensor | None, slots: list[Any]) -> tuple:
     """``decl``'s body on the sparse COO update ``u`` of one leaf, by its rule (see the module's docstring): the
     update and the new slot leaves, as the body gives them."""
-    rule: SparseRule = decl.sparse  # type: ignore[assignment]
+    rule = decl.sparse
+    if not isinstance(rule, SparseRule):  # made sparse by an opaque stage before it, which check_sparse cannot see
+        raise UnsupportedGradientError(f"sparse updates are not supported by {decl.name}; {_TAKERS}")
     if not rule.lazy:
         return decl.body(EAGER, s, u.to_dense(), p, *slots)
     u = u.coalesce()  # the body is not linear in general: each element once, its repeated entries summed
-    where = tuple(u.indices())
-    result = decl.body(EAGER, s, u.values(), None if p is None else p[where], *(slot[where] for slot in slots))
+    rows = _stored_rows(u)
+    shape = (-1, *u.shape[u.sparse_dim() :])  # a leaf as rows over the sparse dims, like the update's values
+    flat = [slot.reshape(shape) for slot in slots]
+    p_rows = None if p is None else p.reshape(shape)[rows]
+    result = decl.body(EAGER, s, u.values(), p_rows, *(leaf[rows] for leaf in flat))
     update = torch.sparse_coo_tensor(u.indices(), result[0], u.shape, is_coalesced=True, check_invariants=False)
-    return (update, *(slot.index_put(where, new.to(slot.dtype)) for slot, new in zip(slots, result[1:])))
+    written = (leaf.index_put((rows,), new.to(leaf.dtype)) for leaf, new in zip(flat, result[1:]))
+    return (update, *(leaf.reshape(slot.shape) for leaf, slot in zip(written, slots)))
+
+
+def _stored_rows(u: torch.Tensor) -> torch.Tensor:
+    """The index of each element the coalesced ``u`` stores, over its sparse dims flattened into one (none: a 0-d
+    update's one element, index 0)."""
+    sizes = u.shape[: u.sparse_dim()]
+    strides = torch.tensor([math.prod(sizes[i + 1 :]) for i in range(len(sizes))], dtype=torch.int64, device=u.device)
+    return (u.indices() * strides.unsqueeze(1)).sum(0)
 
 
 def check_sparse(

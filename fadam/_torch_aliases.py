@@ -1,5 +1,5 @@
-"""Aliases with torch.optim's signatures and numbers: ``adadelta``, ``asgd``, ``rprop`` and ``adafactor_torch``
-(torch.optim.Adafactor; ``fadam.adafactor`` is optax's)."""
+"""Aliases with torch.optim's signatures and numbers: ``adadelta``, ``asgd``, ``rprop``, ``adafactor_torch``
+(torch.optim.Adafactor; ``fadam.adafactor`` is optax's) and ``sparse_adam`` (torch.optim.SparseAdam)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fadam.transforms._adafactor_torch import check_adafactor_torch_args, scale_
 from fadam.transforms._asgd import scale_by_asgd
 from fadam.transforms._rprop import check_rprop_args, scale_by_rprop
 from fadam.transforms._scaling import scale, scale_by_learning_rate
+from fadam.transforms._sparse_adam import scale_by_sparse_adam
 
 
 def _check_weight_decay(weight_decay: float | torch.Tensor) -> None:
@@ -187,3 +188,55 @@ def adafactor_torch(
         scale_by_adafactor_torch(lr, beta2_decay, eps, d),
         *_tail(lr, weight_decay, decoupled=True),
     )
+
+
+def sparse_adam(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    maximize: bool = False,
+) -> GradientTransformation:
+    r"""SparseAdam exactly as ``torch.optim.SparseAdam``: Adam at the elements each sparse gradient stores (see
+    ``scale_by_sparse_adam``), for the sparse COO gradients of ``nn.Embedding(sparse=True)``; dense gradients are
+    refused, as torch's.
+
+    .. math::
+        p_t = p_{t-1} - \eta\,\frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,\frac{m_t}{\sqrt{v_t} + \epsilon}
+        \quad\text{at the stored elements, with } g_t \leftarrow \pm g_t
+
+    ``chain([scale(-1)], scale_by_sparse_adam, scale_by_learning_rate)``. torch.optim.SparseAdam's refusal of sparse
+    and complex params is ``fadam.SparseAdam``'s, which takes its constructor's arguments.
+
+    Args:
+        lr: the learning rate :math:`\eta` (a float, a 0-d tensor or a schedule), above 0.
+        betas: the decays :math:`(\beta_1, \beta_2)` of the moments, in [0, 1).
+        eps: added to the root of the second moment, above 0.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.sparse_adam(lr=0.1)
+        >>> params = [torch.zeros(3)]
+        >>> grad = torch.sparse_coo_tensor([[0, 2, 0]], [1.0, -2.0, 1.0], (3,))  # index 0 twice: summed
+        >>> updates, state = tx.update([grad], tx.init(params), params)
+        >>> fadam.apply_updates(params, updates)
+        [tensor([-0.1000,  0.0000,  0.1000])]
+
+    References:
+        Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
+    """
+    check_sparse_adam_args(lr, betas, eps)
+    return chain(*_head(maximize, 0.0), scale_by_sparse_adam(betas[0], betas[1], eps), scale_by_learning_rate(lr))
+
+
+def check_sparse_adam_args(lr: ScalarOrSchedule, betas: tuple[float, float], eps: float) -> None:
+    """torch.optim.SparseAdam's checks of its arguments, with its messages (a schedule is not checked)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not callable(lr) and not lr > 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps > 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")

@@ -194,6 +194,10 @@ def sgd(
         g_t \leftarrow \pm g_t + \lambda p_{t-1},\quad b_1 = g_1,\ b_t = \mu b_{t-1} + (1-d) g_t,\quad
         p_t = p_{t-1} - \eta_t \cdot (\text{nesterov} ? g_t + \mu b_t : b_t)
 
+    Sparse COO gradients (``nn.Embedding(sparse=True)``'s) step as torch's do: without momentum the update is sparse
+    and changes the stored elements only; the momentum buffer is dense, with the values of torch's sparse one; a
+    weight decay refuses them, as torch's fails on them.
+
     Args:
         lr: learning rate: a float, a 0-d tensor or a schedule.
         momentum: momentum factor :math:`\mu` (0 disables the buffer; no state is kept).
@@ -439,7 +443,9 @@ def adagrad(
     *,
     maximize: bool = False,
 ) -> GradientTransformation:
-    r"""Adagrad exactly as ``torch.optim.Adagrad`` (dense gradients); ``fadam.step`` runs torch's fused kernel.
+    r"""Adagrad exactly as ``torch.optim.Adagrad``; ``fadam.step`` runs torch's fused kernel on dense gradients. Sparse
+    COO gradients take torch's sparse path: coalesced, they change the sums and the params at their stored elements
+    only; a weight decay refuses them, as torch's does.
 
     .. math::
         s_t = s_{t-1} + g_t^2,\qquad p_t = p_{t-1} - \frac{\eta}{1 + (t-1)\delta}\,\frac{g_t}{\sqrt{s_t} + \epsilon}

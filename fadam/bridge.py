@@ -18,11 +18,12 @@ from torch.optim.optimizer import _device_dtype_check_for_fused, required
 
 from fadam._base import GradientTransformation, step
 from fadam._bitsandbytes_state import adam_stand_in, as_bitsandbytes, as_torch_adam, is_bitsandbytes
-from fadam._dispatch import first_overlap
+from fadam._dispatch import first_overlap, is_sparse
 from fadam._execute import backend
 from fadam._lbfgs_state import lbfgs_from_torch, lbfgs_to_torch
+from fadam._torch_aliases import check_sparse_adam_args, sparse_adam
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
-from fadam.aliases import adam, adamw
+from fadam.aliases import adagrad, adam, adamw, sgd
 from fadam.paging import PagedState
 from fadam.quantization import QuantizedArray
 from fadam.quantization._full_precision import dequantized, full_precision
@@ -38,7 +39,7 @@ from fadam.transforms._rms import ScaleByRmsState, ScaleByRssState, ScaleByRStdD
 from fadam.transforms._rprop import ScaleByRpropState
 from fadam.transforms._schedule_free import is_schedule_free, schedule_free_eval_params, schedule_free_train_params
 
-__all__ = ["Optimizer", "state_from_torch", "state_to_torch"]
+__all__ = ["Optimizer", "SparseAdam", "state_from_torch", "state_to_torch"]
 
 TransformOrFactory = GradientTransformation | Callable[..., GradientTransformation]
 
@@ -435,6 +436,20 @@ def _check_tensor_options(group: dict[str, Any], spec: Any) -> None:
         raise ValueError("betas[0] as a Tensor is not supported for capturable=False and foreach=True")
 
 
+# torch.optim's refusals of sparse gradients with fused=True, in the words of the class each alias stands for
+_FUSED_SPARSE = {
+    sgd: "`_fused_sgd` does not support sparse gradients",
+    adagrad: "`fused` does not support sparse grad or complex param",
+}
+
+
+def _check_fused_sparse(group: dict[str, Any], spec: Any, where: str) -> None:
+    """Refuses sparse gradients in a ``fused=True`` group, as torch.optim does: its fused kernels take none."""
+    if group["fused"] and any(is_sparse(p.grad) for p in group["params"]):
+        message = _FUSED_SPARSE.get(getattr(spec, "func", spec), "fused=True does not support sparse gradients")
+        raise RuntimeError(f"{where}: {message}")
+
+
 def _backend_of(group: dict[str, Any]) -> str:
     """The fadam backend that stands for the group's torch.optim implementation flags: ``fused`` torch's fused
     kernel where the alias has one, else fadam's generated kernel ("auto"); ``foreach`` one call over all the group's
@@ -537,6 +552,11 @@ class Optimizer(torch.optim.Optimizer):
     hyperparameter. ``capturable=True`` is accepted for CPU params, where fadam's step counts live with them and cost
     no host sync; fadam keeps step counts on the CPU for every device, so it refuses params elsewhere. The flags are
     checked at construction and when they change.
+
+    **Sparse gradients** (``nn.Embedding(sparse=True)``'s) step where the group's transform takes them: ``fadam.sgd``
+    and ``fadam.adagrad`` without weight decay, ``fadam.sparse_adam`` (``fadam.SparseAdam`` stands for
+    ``torch.optim.SparseAdam``); other transforms refuse them, naming the param. ``fused=True`` refuses them, as
+    torch.optim's fused implementations do, in their words.
 
     The functional state of group ``i`` is ``optimizer.tx_states[i]``. ``state_dict`` lays it out as torch.optim
     does, by param position: ``"state"`` maps each param's index to its own leaves, keyed by their path in the state
@@ -810,10 +830,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def _prepared(self, index: int) -> tuple[GradientTransformation, PyTree, dict[str, Any]]:
         """Group ``index``'s transform for its current options, its state for that transform, and the option values;
-        checks the flags where they changed. Changes nothing."""
+        checks the flags where they changed, and the gradients for them. Changes nothing."""
         group, where = self.param_groups[index], f"param group {index}"
         if _flags_of(group) != self._flags[index]:
             _check_flags(group, where)
+        _check_fused_sparse(group, self._specs[index], where)
         recipe, built_with = self._recipes[index], self._built_with[index]
         if recipe is None:
             return self._txs[index], self.tx_states[index], built_with
@@ -1155,6 +1176,50 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError(f"param group {index}: a torch.optim state_dict that does not convert: {error}") from None
 
 
+class SparseAdam(Optimizer):
+    r"""``torch.optim.SparseAdam`` as a ``fadam.Optimizer`` over ``fadam.sparse_adam``: its constructor, its checks with
+    its messages (sparse and complex params are refused, as are dense gradients at the step), and its numbers: Adam
+    at the elements each sparse gradient stores, for the gradients of ``nn.Embedding(sparse=True)``.
+
+    Args:
+        params: params, named params or param-group dicts, as ``fadam.Optimizer`` takes them.
+        lr: the learning rate, above 0.
+        betas: the decays of the first and second moments, in [0, 1).
+        eps: added to the root of the second moment, above 0.
+        maximize: maximize the objective.
+
+    Example:
+        >>> import torch, fadam
+        >>> emb = torch.nn.Embedding(3, 2, sparse=True)
+        >>> opt = fadam.SparseAdam(emb.parameters(), lr=0.1)
+        >>> before = emb.weight.detach().clone()
+        >>> emb(torch.tensor([0, 2, 0])).sum().backward()
+        >>> opt.step()
+        >>> (emb.weight.detach() - before).abs().amax(dim=1)  # row 1 had no gradient
+        tensor([0.1000, 0.0000, 0.1000])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        maximize: bool = False,
+    ) -> None:
+        check_sparse_adam_args(lr, betas, eps)
+        super().__init__(params, sparse_adam, lr=lr, betas=betas, eps=eps, maximize=maximize)
+        indexed = [([i, j], p) for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])]
+        sparse = [index for index, p in indexed if p.is_sparse]
+        if sparse:
+            raise ValueError(f"Sparse params at indices {sparse}: SparseAdam requires dense parameter tensors")
+        complex_params = [index for index, p in indexed if p.is_complex()]
+        if complex_params:
+            raise ValueError(
+                f"Complex params at indices {complex_params}: SparseAdam does not support complex parameters"
+            )
+
+
 # --- torch.optim state import / export ------------------------------------------------------------------------------
 
 # (fadam state type, field shaped like the params) -> torch.optim's per-param state key
@@ -1225,6 +1290,7 @@ _TORCH_KEYS: tuple[tuple[type[torch.optim.Optimizer], frozenset[str], dict[str, 
     (torch.optim.Rprop, frozenset({"step", "prev", "step_size"}), {}),
     (torch.optim.Adafactor, frozenset({"step"}), {}),  # and its statistics, by the param's dims
     (torch.optim.Muon, frozenset({"momentum_buffer"}), {}),
+    (torch.optim.SparseAdam, frozenset({"step", "exp_avg", "exp_avg_sq"}), {}),
 )
 
 
@@ -1312,6 +1378,8 @@ def _common_step(per_param: list[dict[str, Any]], paths: list[str]) -> int | Non
 
 def _torch_value(value: Any, old: torch.Tensor, where: str) -> torch.Tensor:
     value = torch.as_tensor(value)
+    if value.is_sparse:  # SGD's momentum buffer of sparse gradients: fadam's is dense, with the same values
+        value = value.to_dense()
     if value.shape != old.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(old.shape)}")
     return value.detach().to(dtype=old.dtype, device=old.device, copy=True)
@@ -1380,8 +1448,9 @@ def state_from_torch(
     Supported: the moments of ``Adam``/``AdamW`` (and AMSGrad), ``SGD``'s momentum buffer, and those of ``NAdam``,
     ``RAdam``, ``Adamax``, ``RMSprop``, ``Adagrad``, ``Adadelta``, ``ASGD`` (its ``ax``; ``eta`` and ``mu`` follow
     from the step), ``Rprop``, ``Adafactor`` (row and column statistics of matrices, the full moment of the other
-    params) and ``Muon``, mapped onto the matching fadam states inside ``tx``'s state; every
-    step count in the state becomes torch's step. torch.optim keeps one step per param and fadam one per transform:
+    params), ``Muon`` and ``SparseAdam``, mapped onto the matching fadam states inside ``tx``'s state (a sparse
+    momentum buffer, which ``SGD`` keeps for sparse gradients, densified); every step count in the state becomes
+    torch's step. torch.optim keeps one step per param and fadam one per transform:
     if the params' steps differ the conversion is refused. ``SGD`` keeps no step: its count is taken as 1 once a
     momentum buffer exists (pass ``count`` to set it, e.g. for a learning-rate schedule). Hyperparameters are not
     read: build ``tx`` with the same ones.
@@ -1534,7 +1603,9 @@ def state_to_torch(
         entry = {key: state_leaves[index].detach().clone() for key, index in keys.items()}
         group, param = groups_of[opt_index], opt_params[opt_index]
         if has_step:
-            entry["step"] = _torch_step(count, group, param)  # type: ignore[arg-type]
+            # SparseAdam keeps its step as a Python int, and computes its bias corrections from it in doubles
+            sparse_adam_step = isinstance(optimizer, torch.optim.SparseAdam)
+            entry["step"] = count if sparse_adam_step else _torch_step(count, group, param)  # type: ignore[arg-type]
         for owner in types & _DERIVED.keys():
             entry.update(_DERIVED[owner][1](group, param, count))  # type: ignore[arg-type]
         new_state[indices[opt_index]] = entry

@@ -26,10 +26,11 @@ from tests.tree_checks import max_rel_err, tensor_leaves
 # branches on the loss's values (line search, stopping tests), or seeds a generator from its state: refused under
 # torch.func, checked below
 VALUE_BRANCHING = {"lbfgs", "noisy_sgd", "add_noise"}
+SPARSE_ONLY = {"sparse_adam", "scale_by_sparse_adam"}  # take sparse gradients only, which torch.func does not batch
 TRANSFORMS = [
     pytest.param(builder, name not in REAL_ONLY, id=f"{name}-{index}")
     for name, builders in FACTORIES.items()
-    if name not in HANDLE_STATE and name not in VALUE_BRANCHING
+    if name not in HANDLE_STATE and name not in VALUE_BRANCHING and name not in SPARSE_ONLY
     for index, builder in enumerate(builders)
 ] + [pytest.param(row.build, row.complex_params, id=f"row-{row.name}") for row in ALL_ROWS if row.value_state]
 HANDLE_TRANSFORMS = [

@@ -14,7 +14,10 @@ the checks of the numbers: ``steps``, ``state_dict`` and ``complex``):
   converts back (``fadam.state_to_torch``) into a fresh torch optimizer that continues as torch does;
 - ``deepcopy``: a copy of (params, optimizer) continues exactly as the original;
 - ``param_groups``: the input's options in a second param group, torch's defaults in the first;
-- ``complex``: the steps on complex params.
+- ``complex``: the steps on complex params;
+- ``sparse``, for the classes that take sparse gradients too (SGD, Adagrad): the steps with each gradient given as an
+  uncoalesced sparse COO tensor over its first dim (a row absent, a row given twice), as ``nn.Embedding(sparse=True)``
+  gives them. SparseAdam, which takes sparse gradients only, gets them in every check.
 
 Each check runs the same code on both sides: where torch raises, fadam must raise the same exception type with
 torch's message in its own; where torch does not, fadam must not. torch.optim refuses ``capturable=True`` for CPU
@@ -37,7 +40,7 @@ import fadam
 
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
 
-# torch.optim class -> the fadam factory of its drop-in (SparseAdam has none)
+# torch.optim class -> the fadam factory of its drop-in
 FACTORIES: dict[type[torch.optim.Optimizer], Callable[..., fadam.GradientTransformation]] = {
     torch.optim.Adadelta: fadam.adadelta,
     torch.optim.Adafactor: fadam.adafactor_torch,
@@ -53,7 +56,11 @@ FACTORIES: dict[type[torch.optim.Optimizer], Callable[..., fadam.GradientTransfo
     torch.optim.RMSprop: fadam.rmsprop,
     torch.optim.Rprop: fadam.rprop,
     torch.optim.SGD: fadam.sgd,
+    torch.optim.SparseAdam: fadam.sparse_adam,
 }
+# the drop-ins that are classes of their own (torch's constructor and its checks of the params), not
+# fadam.Optimizer(params, factory, ...)
+CLASSES: dict[type[torch.optim.Optimizer], type[torch.optim.Optimizer]] = {torch.optim.SparseAdam: fadam.SparseAdam}
 INFOS = [info for info in common_optimizers.optim_db if info.optim_cls in FACTORIES]
 CHECKS = ("steps", "state_dict", "from_torch", "deepcopy", "param_groups", "complex")
 FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -105,6 +112,14 @@ XFAILS: list[tuple[str, Callable[[dict[str, Any]], bool], tuple[str, ...], str]]
         "reads the argument, not the group's option); fadam fills each group's with the group's own",
     ),
     (
+        "SparseAdam",
+        lambda kw: isinstance(kw.get("lr"), torch.Tensor),
+        ("steps", "state_dict", "deepcopy", "param_groups"),
+        "torch.optim.SparseAdam with a tensor lr computes its step size lr * sqrt(1 - beta2**step) / (1 - beta1**step) "
+        "as a float32 tensor (the lr's dtype), about 1e-8 relative on float64 params; fadam.Optimizer hands the "
+        "factory the lr's value as a Python float, so the step size is float64",
+    ),
+    (
         "Muon",
         lambda kw: isinstance(kw.get("lr"), torch.Tensor),
         ("steps", "state_dict", "from_torch", "deepcopy", "param_groups"),
@@ -129,11 +144,12 @@ def _flag_variants(info: Any) -> list[str]:
 
 def _inputs(info: Any) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
     """(description, kwargs, checks) of each of torch's CPU inputs for the class, as given and with each flag set."""
+    sparse = ("sparse",) if info.supports_sparse else ()
     found = []
     for optim_input in info.optim_inputs_func(device="cpu"):
-        found.append((optim_input.desc, optim_input.kwargs, CHECKS))
+        found.append((optim_input.desc, optim_input.kwargs, CHECKS + sparse))
         for flag in _flag_variants(info):
-            found.append((f"{optim_input.desc} & {flag}", {**optim_input.kwargs, flag: True}, FLAG_CHECKS))
+            found.append((f"{optim_input.desc} & {flag}", {**optim_input.kwargs, flag: True}, FLAG_CHECKS + sparse))
     return found
 
 
@@ -185,15 +201,26 @@ def _loss(params: list[torch.Tensor], step: int) -> torch.Tensor:
     return (out - y).abs().pow(2).mean()
 
 
+def _sparse(g: torch.Tensor, step: int) -> torch.Tensor:
+    """``g`` as an uncoalesced sparse COO tensor over its first dim: a row absent (which one changes with the step),
+    the first row present given in two halves (a repeated index)."""
+    rows = [i for i in range(g.shape[0]) if i != step % g.shape[0]]
+    values = torch.cat([g[rows[:1]] * 0.5, g[rows[1:]], g[rows[:1]] * 0.5])
+    return torch.sparse_coo_tensor(torch.tensor([rows + rows[:1]]), values, g.shape, check_invariants=True)
+
+
 class _Run:
     """One side of a check: the optimizer class (torch's, or fadam's drop-in for it) and its inputs."""
 
-    def __init__(self, info: Any, kwargs: dict[str, Any], ours: bool, complex_params: bool = False):
+    def __init__(
+        self, info: Any, kwargs: dict[str, Any], ours: bool, complex_params: bool = False, sparse: bool = False
+    ):
         self.cls = info.optim_cls
         self.ours = ours
         self.kwargs = kwargs
         self.dtype = torch.complex128 if complex_params else torch.float64
         self.closure = info.step_requires_closure
+        self.sparse = sparse or info.only_supports_sparse_grads  # the gradients as sparse COO tensors
         self.steps_compared, self.before, self.after = (2, 1, 1) if self.cls in SLOW else (STEPS, BEFORE, AFTER)
 
     def make(self, params: Any, kwargs: dict[str, Any] | None = None) -> torch.optim.Optimizer:
@@ -203,7 +230,7 @@ class _Run:
             if kwargs.get("capturable"):  # torch refuses CPU params with it; its numbers are those without it
                 kwargs.pop("capturable")
             return self.cls(params, **kwargs)
-        return fadam.Optimizer(params, FACTORIES[self.cls], **kwargs)
+        return _drop_in(self.cls, params, **kwargs)
 
     def params(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the leaves, the params stepped): non-leaf clones for ``differentiable``, as torch.optim needs."""
@@ -216,7 +243,7 @@ class _Run:
         def closure() -> torch.Tensor:
             loss = _loss(params, step)
             for p, g in zip(params, torch.autograd.grad(loss, params)):
-                p.grad = g
+                p.grad = _sparse(g, step) if self.sparse else g
             return loss.detach()
 
         if self.closure:
@@ -227,6 +254,13 @@ class _Run:
 
     def steps(self, opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, count: int) -> list[Any]:
         return [self.step(opt, params, s) for s in range(start, start + count)]
+
+
+def _drop_in(cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """fadam's drop-in for ``cls`` over ``params``."""
+    if cls in CLASSES:
+        return CLASSES[cls](params, **kwargs)
+    return fadam.Optimizer(params, FACTORIES[cls], **kwargs)
 
 
 def _values(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -306,6 +340,7 @@ def _outcome(check: str, run: _Run) -> tuple[dict[str, list[torch.Tensor]] | Non
         "deepcopy": _check_deepcopy,
         "param_groups": _check_param_groups,
         "complex": _check_complex,
+        "sparse": _check_steps,
     }[check]
     try:
         with warnings.catch_warnings():
@@ -373,9 +408,9 @@ def test_optim_db_input(info: Any, kwargs: dict[str, Any], check: str) -> None:
         with pytest.raises(ValueError, match=r"doesn't support per-parameter options \(parameter groups\)"):
             _check_param_groups(_Run(info, kwargs, ours=True))
         return
-    complex_params = check == "complex"
-    theirs, their_error = _outcome(check, _Run(info, kwargs, ours=False, complex_params=complex_params))
-    ours, our_error = _outcome(check, _Run(info, kwargs, ours=True, complex_params=complex_params))
+    options = {"complex_params": check == "complex", "sparse": check == "sparse"}
+    theirs, their_error = _outcome(check, _Run(info, kwargs, ours=False, **options))
+    ours, our_error = _outcome(check, _Run(info, kwargs, ours=True, **options))
     broken = TORCH_BROKEN.get((info.optim_cls.__name__, check))
     if their_error is not None and not (broken and isinstance(their_error, broken[0])):
         _assert_same_error(our_error, their_error)
@@ -419,7 +454,7 @@ def test_optim_db_error_input(info: Any, index: int) -> None:
         return None
 
     def ours(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
-        return fadam.Optimizer(params, FACTORIES[info.optim_cls], **kwargs)
+        return _drop_in(info.optim_cls, params, **kwargs)
 
     if issubclass(error_input.error_type, Warning):
         for make in (info.optim_cls, ours):

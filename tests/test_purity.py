@@ -24,6 +24,18 @@ def _half_lr(count: torch.Tensor) -> torch.Tensor:
     return 0.1 * 0.5 ** count.to(torch.float64)
 
 
+def _sparse_gradients(tx: fadam.GradientTransformation) -> fadam.GradientTransformation:
+    """``tx``, which takes sparse gradients only, given each gradient as a sparse COO tensor; its updates are returned
+    dense, as the snapshots here compare dense tensors."""
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        sparse = fadam.tree_map(lambda g: None if g is None else g.to_sparse(), updates)
+        new_updates, state = tx.update(sparse, state, params, **extra_args)
+        return fadam.tree_map(lambda u: None if u is None else u.to_dense(), new_updates), state
+
+    return fadam.GradientTransformation(tx.init, update)
+
+
 # name -> builders of a transform. Give each factory its interesting configurations; ``complex`` says whether the
 # transform accepts complex params (clip does not: clamp has no order on complex numbers).
 FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
@@ -82,6 +94,8 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     "scale_by_radam": [fadam.scale_by_radam],
     "scale_by_rms": [fadam.scale_by_rms, lambda: fadam.scale_by_rms(eps_in_sqrt=False)],
     "scale_by_rss": [fadam.scale_by_rss],
+    "scale_by_sparse_adam": [lambda: _sparse_gradients(fadam.scale_by_sparse_adam(b1=0.5, b2=0.9))],
+    "sparse_adam": [lambda: _sparse_gradients(fadam.sparse_adam(1e-2, maximize=True))],
     "scale_by_stddev": [fadam.scale_by_stddev],
     "scale_by_trust_ratio": [fadam.scale_by_trust_ratio],
     "apply_if_finite": [
@@ -349,6 +363,7 @@ FACTORIES.update(
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
 REAL_ONLY |= {"sm3", "scale_by_sm3"}  # as optax (maxima of the accumulator)
+REAL_ONLY |= {"sparse_adam", "scale_by_sparse_adam"}  # as torch.optim.SparseAdam (and fadam takes no complex sparse)
 REAL_ONLY |= {"soap", "scale_by_soap", "shampoo", "scale_by_shampoo"}  # real statistics and eigenbases
 REAL_ONLY |= {"psgd_kron", "scale_by_psgd_kron"}  # real triangular factors
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
