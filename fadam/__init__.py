@@ -130,6 +130,8 @@ from fadam.paging import (
     paged_adam8bit,
     paged_adamw,
     paged_adamw8bit,
+    paged_ademamix,
+    paged_ademamix8bit,
 )
 from fadam.quantization import QuantizedArray, QuantizedState, quantize_state
 from fadam.quantization._aliases import adam4bit, adam8bit, adamw4bit, adamw8bit, ademamix8bit, lion8bit, sgd8bit
@@ -424,6 +426,8 @@ __all__ = [
     "paged_adam8bit",
     "paged_adamw",
     "paged_adamw8bit",
+    "paged_ademamix",
+    "paged_ademamix8bit",
     "partition",
     "per_example_global_norm_clip",
     "piecewise_constant_schedule",

@@ -185,6 +185,27 @@ def test_paged_aliases_match_torch_optim():
             torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("storage", ["host", "disk"])
+@pytest.mark.parametrize("name", ["ademamix", "ademamix8bit"])
+def test_paged_ademamix_steps_as_its_unpaged_update(name, storage, tmp_path):
+    """bitsandbytes' PagedAdEMAMix and PagedAdEMAMix8bit: the unpaged alias's numbers, chunk by chunk."""
+    make, paged = getattr(fadam, name), getattr(fadam, f"paged_{name}")
+    kwargs = {"min_size": 0} if name.endswith("8bit") else {}
+    params = {k: v for k, v in _params().items() if k != "z"}  # real params: 8-bit state takes no complex ones
+    path = tmp_path / "s" if storage == "disk" else None
+    tx, reference = paged(1e-2, **kwargs, storage=storage, path=path, chunk_bytes=4096), make(1e-2, **kwargs)
+    ours, state = params, tx.init(params)
+    expected, ref_state = params, reference.init(params)
+    for step in range(3):
+        grads = _grads(params, step)
+        ours, state = fadam.step(tx, ours, grads, state)
+        with fadam.backend("kernel"):  # the unpaged step's backend, which paging keeps (generated: as on disk)
+            expected, ref_state = fadam.step(reference, expected, grads, ref_state)
+    assert len(state.chunks) > 1
+    for a, b in zip(fadam._tree.tree_leaves(ours), fadam._tree.tree_leaves(expected)):
+        assert torch.equal(a, b)
+
+
 def test_at_most_two_chunks_are_materialized_at_once(monkeypatch, tmp_path):
     alive: dict[int, int] = {}
     peak = [0]

@@ -47,6 +47,8 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
     "paged_adam8bit": [lambda: fadam.paged_adam8bit(1e-2, storage="disk", min_size=0)],
     "paged_adamw": [lambda: fadam.paged_adamw(1e-2, storage="disk", chunk_bytes=256)],
     "paged_adamw8bit": [lambda: fadam.paged_adamw8bit(1e-2, min_size=0)],
+    "paged_ademamix": [lambda: fadam.paged_ademamix(1e-2, storage="disk", chunk_bytes=256)],
+    "paged_ademamix8bit": [lambda: fadam.paged_ademamix8bit(1e-2, min_size=0)],
     "adam4bit": [lambda: fadam.adam4bit(1e-2, min_size=0)],
     "adam8bit": [lambda: fadam.adam8bit(1e-2, min_size=0), lambda: fadam.adam8bit(1e-2, weight_decay=0.1)],
     "adamw4bit": [lambda: fadam.adamw4bit(1e-2, amsgrad=True, min_size=0)],
@@ -368,6 +370,7 @@ REAL_ONLY |= {"soap", "scale_by_soap", "shampoo", "scale_by_shampoo"}  # real st
 REAL_ONLY |= {"psgd_kron", "scale_by_psgd_kron"}  # real triangular factors
 # factories whose state is a handle to storage outside the tensors (paged state): torch.func refuses them
 HANDLE_STATE = {"page_state", "paged_adam", "paged_adam8bit", "paged_adamw", "paged_adamw8bit"}
+HANDLE_STATE |= {"paged_ademamix", "paged_ademamix8bit"}
 
 
 def _returns_transform(obj: Any) -> bool:

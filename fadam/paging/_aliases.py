@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fadam._base import GradientTransformation
-from fadam.aliases import adam, adamw
+from fadam.aliases import adam, adamw, ademamix
 from fadam.paging._wrapper import DEFAULT_CHUNK_BYTES, page_state
-from fadam.quantization._aliases import adam8bit, adamw8bit
+from fadam.quantization._aliases import adam8bit, adamw8bit, ademamix8bit
 
 _PAGING_PARAMETERS = [
     inspect.Parameter("storage", inspect.Parameter.KEYWORD_ONLY, default="host"),
@@ -58,15 +58,18 @@ def paged(alias: Callable[..., GradientTransformation]) -> Callable[..., Gradien
     make.__doc__ = f"""``fadam.{alias.__name__}`` with its state paged: ``page_state({alias.__name__}(...), storage,
     path, chunk_bytes, per_leaf=True, resume=resume, durable=durable)``.
 
-    Bit-identical to ``fadam.{alias.__name__}``; ``fadam.step`` runs its fused kernel chunk by chunk. See ``page_state``
-    for the storages, chunks and checkpoints.
+    Its numbers are ``fadam.{alias.__name__}``'s: ``fadam.step`` runs its fastest backend chunk by chunk, in host
+    memory the one the unpaged step takes, on disk the generated kernel, whose numbers are the eager path's (torch's
+    fused kernels cannot write the new state into the file's other copy). See ``page_state`` for the storages,
+    chunks and checkpoints.
 
     Example:
         >>> import torch, fadam
         >>> params, grads = {{"w": torch.tensor([1.0, -1.0])}}, {{"w": torch.tensor([0.5, -0.5])}}
-        >>> tx, reference = fadam.{name}(lr=0.1, storage="disk"), fadam.{alias.__name__}(lr=0.1)
+        >>> tx, reference = fadam.{name}(0.1, storage="disk"), fadam.{alias.__name__}(0.1)
         >>> paged_params, _ = fadam.step(tx, params, grads, tx.init(params))
-        >>> torch.equal(paged_params["w"], fadam.step(reference, params, grads, reference.init(params))[0]["w"])
+        >>> updates, _ = reference.update(grads, reference.init(params), params)
+        >>> torch.equal(paged_params["w"], fadam.apply_updates(params, updates)["w"])
         True
     """
     return make
@@ -76,3 +79,5 @@ paged_adam = paged(adam)
 paged_adamw = paged(adamw)
 paged_adam8bit = paged(adam8bit)  # bitsandbytes' PagedAdam8bit, on any device
 paged_adamw8bit = paged(adamw8bit)
+paged_ademamix = paged(ademamix)  # bitsandbytes' PagedAdEMAMix
+paged_ademamix8bit = paged(ademamix8bit)  # and PagedAdEMAMix8bit
