@@ -376,3 +376,25 @@ def test_a_fused_disk_step_writes_the_other_slot_only(tmp_path):
     # the latest state is the one the retry wrote over the spare slot; the first step's result is gone
     with pytest.raises(_storage.PagedStateFileError, match="stale"):
         fadam.step(tx, params, _grads(1), second)
+
+
+def test_a_file_too_large_to_keep_mapped_steps_and_resumes_alike(tmp_path, monkeypatch):
+    """A file over a quarter of the available memory is mapped a chunk window at a time: the same numbers, and no
+    map of the whole file is made."""
+    results = []
+    for available in (1 << 40, 0):
+        monkeypatch.setattr(_storage, "_available_memory", lambda available=available: available)
+        path = tmp_path / f"s{available}"
+        tx = fadam.paged_adam(lr=1e-2, storage="disk", path=path, chunk_bytes=8192)
+        params, state = _params(), None
+        state = tx.init(params)
+        for step in range(2):
+            params, state = fadam.step(tx, params, _grads(step), state, donate=True)
+        resumed = fadam.paged_adam(lr=1e-2, storage="disk", path=path, chunk_bytes=8192, resume=True)
+        params, _ = fadam.step(resumed, params, _grads(2), resumed.init(_params()))
+        results.append(params)
+        state_file = _storage.StateFile.open(str(path))
+        state_file.window(0, 0)
+        assert bool(state_file._maps) == bool(available)
+        state_file.close()
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -161,6 +161,18 @@ def _os_error(err: OSError, path: str, doing: str, nbytes: int | None = None) ->
     return type(err)(err.errno, message)
 
 
+def _available_memory() -> int:
+    """Bytes of memory available to new allocations (``MemAvailable``), or 0 where that is not known."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _check_version(path: str, version: int) -> None:
     if version < FORMAT_VERSION:
         raise PagedStateFileError(
@@ -198,9 +210,11 @@ def _alive(pid: int) -> bool:
 
 
 class StateFile:
-    """An open paged-state file. Its data stays mapped while it is open (a read-only and a writable map of the whole
-    file), so that a chunk's pages are mapped once, not at every update: mapping a window afresh costs a page fault
-    per page written, about as much as the copy itself."""
+    """An open paged-state file. A file that fits in a quarter of the memory available when it is opened stays mapped
+    while it is open (a read-only and a writable map of the whole file), so that a chunk's pages are mapped once, not
+    at every update: mapping a window afresh costs a page fault per page written, about as much as the copy itself.
+    A larger one is mapped one chunk window at a time, each map released when the last tensor viewing it dies, so
+    that resident memory stays at the chunks in use."""
 
     def __init__(self, path: str, fd: int, file_id: int, description: dict, table_offset: int) -> None:
         self.path, self.fd, self.file_id = path, fd, file_id
@@ -209,6 +223,7 @@ class StateFile:
         self.chunk_sizes = [chunk["size"] for chunk in description["chunks"]]
         self.table_offset = table_offset
         self._maps: dict[bool, mmap.mmap] = {}
+        self._mapped_whole = os.fstat(fd).st_size <= _available_memory() // 4
 
     # creation ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -378,13 +393,13 @@ class StateFile:
 
     # data -------------------------------------------------------------------------------------------------------
     def window(self, chunk: int, slot: int, writable: bool = False) -> torch.Tensor:
-        """The bytes of one chunk's slot as a uint8 tensor over the file's map.
+        """The bytes of one chunk's slot as a uint8 tensor over the file's map, or over a map of the window alone
+        (see ``StateFile``).
 
         A read window is read-only: an inner transform that wrote into its input state would fault, not corrupt the
-        file. A writable window (of the slot an update writes) lets a fused step update the state where it lies in
-        the page cache, with no copy in and out; its space was reserved at creation, so no write through it can fail
-        for want of disk space. The pages stay mapped while the file is open; they are the page cache's, which the
-        kernel writes back and reclaims as it does any file's.
+        file. A writable window (of the slot an update writes) lets a fused step write the state where it lies in the
+        page cache, with no copy in and out; its space was reserved at creation, so no write through it can fail for
+        want of disk space.
         """
         size = self.chunk_sizes[chunk]
         if size == 0:
@@ -392,7 +407,11 @@ class StateFile:
         offset = self.chunk_offsets[chunk] + slot * size
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": by design
-            return torch.frombuffer(self._mapped(writable), dtype=torch.uint8, count=size, offset=offset)
+            if self._mapped_whole:
+                return torch.frombuffer(self._mapped(writable), dtype=torch.uint8, count=size, offset=offset)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            own = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=prot, offset=offset)
+            return torch.frombuffer(own, dtype=torch.uint8)
 
     def write(self, chunk: int, slot: int, place: LeafPlace, tensor: torch.Tensor, checksum: ChunkChecksum) -> None:
         """Writes one leaf with ``pwrite`` (one copy into the page cache, no page faults) and adds its bytes, as they

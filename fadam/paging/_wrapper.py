@@ -350,10 +350,11 @@ def page_state(
     from disk the kernel reads the next chunk ahead).
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
-    ``"disk"``: a file at ``path``, kept open and mapped between updates (its pages are the page cache's, which the
-    kernel writes back and reclaims as it does any file's), so the state may exceed RAM. A fused step on the CPU
-    (``fadam.step``) reads a chunk's current copy where it lies and writes the new state into the writable map of the
-    other copy, in the page cache (no buffer in between, no copy in or out): the generated kernel does that;
+    ``"disk"``: a file at ``path``, kept open between updates, so the state may exceed RAM: a file that fits in a
+    quarter of the available memory stays mapped (its pages are mapped once), a larger one is mapped a chunk at a
+    time (resident memory stays at about two chunks). A fused step on the CPU (``fadam.step``) reads a chunk's
+    current copy where it lies and writes the new state into a writable map of the other copy, in the page cache (no
+    buffer in between, no copy in or out): the generated kernel does that;
     torch's fused kernels, which update their state in place, would need the copy made first, so a disk-paged chain
     of theirs (``adamw``) takes the generated kernel instead, whose numbers are the eager path's. ``update`` and
     steps on an accelerator write each new leaf with ``pwrite``. The file is a checkpoint:
