@@ -20,10 +20,13 @@ from fadam._base import (
 )
 from fadam._checkpoint import state_from_dict, state_to_dict
 from fadam._execute import backend, explain
+from fadam._linear_algebra import matrix_inverse_pth_root, power_iteration
 from fadam._microbatching import AccumulationType, Accumulator, microbatch, reshape_batch_axis
 from fadam._muon_aliases import muon, muon_labels, muon_with_adamw
 from fadam._optax_aliases import (
+    adamaxw,
     adan,
+    amsgrad,
     fromage,
     lars,
     noisy_sgd,
@@ -34,9 +37,11 @@ from fadam._optax_aliases import (
     polyak_sgd,
     sm3,
 )
+from fadam._optax_numerics import safe_increment, safe_int32_increment, safe_norm, safe_root_mean_squares
 from fadam._psgd_aliases import psgd_kron
 from fadam._soap_aliases import shampoo, soap
 from fadam._torch_aliases import adadelta, adafactor_torch, asgd, rprop, sparse_adam
+from fadam._transform_utils import init_empty_state, tree_map_params, with_extra_args_support
 from fadam._tree import (
     tree_add,
     tree_cast,
@@ -48,6 +53,8 @@ from fadam._tree import (
     tree_zeros_like,
 )
 from fadam._tree_math import (
+    incremental_update,
+    periodic_update,
     tree_add_scalar_mul,
     tree_add_scale,
     tree_batch_shape,
@@ -73,6 +80,7 @@ from fadam._tree_math import (
     tree_vdot,
     tree_where,
 )
+from fadam._utils import MultiNormalDiagFromLogScale, multi_normal, scale_gradient
 from fadam.aliases import (
     adabelief,
     adafactor,
@@ -102,6 +110,11 @@ from fadam.combinators._conditionality import (
     conditionally_transform,
 )
 from fadam.combinators._inject import InjectHyperparamsState, inject_hyperparams
+from fadam.combinators._inject_stateful import (
+    InjectStatefulHyperparamsState,
+    StatefulSchedule,
+    inject_stateful_hyperparams,
+)
 from fadam.combinators._layouts import flatten
 from fadam.combinators._lookahead import LookaheadParams, LookaheadState, lookahead
 from fadam.combinators._masking import MaskedNode, MaskedState, PartitionState, masked, partition
@@ -167,6 +180,7 @@ from fadam.transforms._adan import ScaleByAdanState, scale_by_adan
 from fadam.transforms._adaptive_clipping import adaptive_grad_clip, per_example_global_norm_clip
 from fadam.transforms._ademamix import ScaleByAdemamixState, scale_by_ademamix
 from fadam.transforms._adopt import ScaleByAdoptState, scale_by_adopt
+from fadam.transforms._amsgrad import ScaleByAmsgradCorrectedState, scale_by_amsgrad
 from fadam.transforms._asgd import ScaleByAsgdState, scale_by_asgd
 from fadam.transforms._belief import ScaleByBeliefState, scale_by_belief
 from fadam.transforms._block_scaling import scale_by_param_block_rms, scale_by_trust_ratio
@@ -175,8 +189,23 @@ from fadam.transforms._centralize import centralize
 from fadam.transforms._clipping import clip, clip_by_block_rms, clip_by_global_norm
 from fadam.transforms._constraining import keep_params_nonnegative
 from fadam.transforms._decay import add_decayed_weights, add_decoupled_weight_decay
+from fadam.transforms._distance_over_gradients import (
+    ScaleByDistanceOverGradientsState,
+    scale_by_distance_over_gradients,
+)
 from fadam.transforms._factorized import FactoredState, scale_by_factored_rms
+from fadam.transforms._layer_norm_clipping import per_example_layer_norm_clip
 from fadam.transforms._lbfgs import LbfgsState, lbfgs
+from fadam.transforms._lbfgs_direction import ScaleByLBFGSState, scale_by_lbfgs
+from fadam.transforms._linesearch import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    scale_by_backtracking_linesearch,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
+)
 from fadam.transforms._lion import ScaleByLionState, scale_by_lion
 from fadam.transforms._mars import ScaleByMarsState, mars, scale_by_mars
 from fadam.transforms._momentum import EmaState, TraceState, ema, trace
@@ -185,6 +214,7 @@ from fadam.transforms._noise import AddNoiseState, add_noise
 from fadam.transforms._normalizing import normalize_by_update_norm
 from fadam.transforms._novograd import ScaleByNovogradState, scale_by_novograd
 from fadam.transforms._optimistic import ScaleByOptimisticGradientState, scale_by_optimistic_gradient
+from fadam.transforms._param_block_norm import scale_by_param_block_norm
 from fadam.transforms._polyak import scale_by_polyak
 from fadam.transforms._prodigy import ProdigyState, prodigy
 from fadam.transforms._psgd_kron import ScaleByPsgdKronState, scale_by_psgd_kron
@@ -214,6 +244,11 @@ from fadam.transforms._sparse_adam import scale_by_sparse_adam
 from fadam.transforms._yogi import ScaleByYogiState, scale_by_yogi
 
 global_norm = tree_global_norm
+# optax's top-level names of its tree moments
+bias_correction = tree_bias_correction
+update_moment = tree_update_moment
+update_infinity_moment = tree_update_infinity_moment
+update_moment_per_elem_norm = tree_update_moment_per_elem_norm
 
 # fadam's state containers hold only tensors and containers: a raw state saved with torch.save loads with
 # torch.load(weights_only=True)
@@ -222,12 +257,14 @@ torch.serialization.add_safe_globals(
         AddNoiseState,
         ApplyEvery,
         ApplyIfFiniteState,
+        BacktrackingLinesearchInfo,
         ConditionallyMaskState,
         ConditionallyTransformState,
         EmaState,
         EmptyState,
         FactoredState,
         InjectHyperparamsState,
+        InjectStatefulHyperparamsState,
         LbfgsState,
         LookaheadParams,
         LookaheadState,
@@ -248,9 +285,13 @@ torch.serialization.add_safe_globals(
         ScaleByAdanState,
         ScaleByAdemamixState,
         ScaleByAdoptState,
+        ScaleByAmsgradCorrectedState,
         ScaleByAmsgradState,
         ScaleByAsgdState,
+        ScaleByBacktrackingLinesearchState,
         ScaleByBeliefState,
+        ScaleByDistanceOverGradientsState,
+        ScaleByLBFGSState,
         ScaleByLionState,
         ScaleByMarsState,
         ScaleByMuonState,
@@ -269,10 +310,12 @@ torch.serialization.add_safe_globals(
         ScaleByShampooState,
         ScaleBySoapState,
         ScaleByYogiState,
+        ScaleByZoomLinesearchState,
         ScheduleFreeState,
         SnapshotState,
         TraceState,
         ZeroNansState,
+        ZoomLinesearchInfo,
     ]
 )
 
@@ -286,6 +329,7 @@ __all__ = [
     "AddNoiseState",
     "ApplyEvery",
     "ApplyIfFiniteState",
+    "BacktrackingLinesearchInfo",
     "ConditionallyMaskState",
     "ConditionallyTransformState",
     "EmaState",
@@ -295,6 +339,7 @@ __all__ = [
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState",
     "LbfgsState",
     "LookaheadParams",
     "LookaheadState",
@@ -305,6 +350,7 @@ __all__ = [
     "MonitorState",
     "MultiSteps",
     "MultiStepsState",
+    "MultiNormalDiagFromLogScale",
     "Optimizer",
     "PagedState",
     "PagedStateFileError",
@@ -322,8 +368,12 @@ __all__ = [
     "ScaleByAdemamixState",
     "ScaleByAdoptState",
     "ScaleByAmsgradState",
+    "ScaleByAmsgradCorrectedState",
     "ScaleByAsgdState",
+    "ScaleByBacktrackingLinesearchState",
     "ScaleByBeliefState",
+    "ScaleByDistanceOverGradientsState",
+    "ScaleByLBFGSState",
     "ScaleByLionState",
     "ScaleByMarsState",
     "ScaleByMuonState",
@@ -341,13 +391,16 @@ __all__ = [
     "ScaleByShampooState",
     "ScaleBySoapState",
     "ScaleByYogiState",
+    "ScaleByZoomLinesearchState",
     "Schedule",
     "ScheduleFreeState",
     "Sharded",
     "SnapshotState",
+    "StatefulSchedule",
     "SparseAdam",
     "TraceState",
     "ZeroNansState",
+    "ZoomLinesearchInfo",
     "adabelief",
     "adadelta",
     "adafactor",
@@ -357,6 +410,7 @@ __all__ = [
     "adam4bit",
     "adam8bit",
     "adamax",
+    "adamaxw",
     "adamw",
     "adamw4bit",
     "adamw8bit",
@@ -368,10 +422,12 @@ __all__ = [
     "ademamix",
     "ademamix8bit",
     "adopt",
+    "amsgrad",
     "apply_every",
     "asgd",
     "apply_if_finite",
     "apply_updates",
+    "bias_correction",
     "cautious",
     "centralize",
     "chain",
@@ -391,7 +447,10 @@ __all__ = [
     "gather",
     "global_norm",
     "identity",
+    "incremental_update",
+    "init_empty_state",
     "inject_hyperparams",
+    "inject_stateful_hyperparams",
     "join_schedules",
     "keep_params_nonnegative",
     "lamb",
@@ -403,6 +462,7 @@ __all__ = [
     "lion8bit",
     "lookahead",
     "masked",
+    "matrix_inverse_pth_root",
     "mars",
     "measure_with_ema",
     "microbatch",
@@ -411,6 +471,7 @@ __all__ = [
     "muon",
     "muon_labels",
     "muon_with_adamw",
+    "multi_normal",
     "nadam",
     "nadamw",
     "named_chain",
@@ -430,11 +491,14 @@ __all__ = [
     "paged_ademamix8bit",
     "partition",
     "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
+    "periodic_update",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "pmap",
     "polyak_sgd",
     "polynomial_schedule",
+    "power_iteration",
     "prodigy",
     "psgd_kron",
     "quantize_state",
@@ -442,6 +506,10 @@ __all__ = [
     "reshape_batch_axis",
     "rmsprop",
     "rprop",
+    "safe_increment",
+    "safe_int32_increment",
+    "safe_norm",
+    "safe_root_mean_squares",
     "sam",
     "scale",
     "scale_by_adadelta",
@@ -452,15 +520,20 @@ __all__ = [
     "scale_by_ademamix",
     "scale_by_adopt",
     "scale_by_asgd",
+    "scale_by_amsgrad",
+    "scale_by_backtracking_linesearch",
     "scale_by_belief",
+    "scale_by_distance_over_gradients",
     "scale_by_factored_rms",
     "scale_by_learning_rate",
+    "scale_by_lbfgs",
     "scale_by_lion",
     "scale_by_mars",
     "scale_by_muon",
     "scale_by_nadam",
     "scale_by_novograd",
     "scale_by_optimistic_gradient",
+    "scale_by_param_block_norm",
     "scale_by_param_block_rms",
     "scale_by_polyak",
     "scale_by_psgd_kron",
@@ -477,6 +550,8 @@ __all__ = [
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "scale_by_yogi",
+    "scale_by_zoom_linesearch",
+    "scale_gradient",
     "schedule_free",
     "schedule_free_adamw",
     "schedule_free_eval_params",
@@ -520,6 +595,7 @@ __all__ = [
     "tree_l2_norm",
     "tree_linf_norm",
     "tree_map",
+    "tree_map_params",
     "tree_max",
     "tree_min",
     "tree_mul",
@@ -537,9 +613,14 @@ __all__ = [
     "tree_vdot",
     "tree_where",
     "tree_zeros_like",
+    "update_infinity_moment",
+    "update_moment",
+    "update_moment_per_elem_norm",
+    "value_and_grad_from_state",
     "warmup_constant_schedule",
     "warmup_cosine_decay_schedule",
     "warmup_exponential_decay_schedule",
+    "with_extra_args_support",
     "yogi",
     "zero_nans",
 ]

@@ -1,6 +1,6 @@
 """Ready-made optimizers with optax's names, arguments and semantics, each a ``chain`` of transforms: NovoGrad,
 LARS, Adan, SM3, Fromage, noisy SGD, Polyak SGD, optimistic gradient descent and optimistic Adam (both of optax's
-interfaces)."""
+interfaces), AMSGrad and AdamaxW."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from fadam._tree import PyTree
 from fadam.combinators._chain import chain
 from fadam.combinators._masking import masked
 from fadam.transforms._adam import scale_by_adam
+from fadam.transforms._adam_variants import scale_by_adamax
 from fadam.transforms._adan import scale_by_adan
+from fadam.transforms._amsgrad import scale_by_amsgrad
 from fadam.transforms._block_scaling import scale_by_trust_ratio
 from fadam.transforms._decay import add_decayed_weights
 from fadam.transforms._momentum import trace
@@ -463,5 +465,92 @@ def optimistic_adam_v2(
     return chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype=mu_dtype, nesterov=nesterov),
         scale_by_optimistic_gradient(alpha=alpha, beta=beta),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def amsgrad(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    eps_root: float | torch.Tensor = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformation:
+    r"""AMSGrad: Adam with the running maximum of the bias-corrected second moment in the denominator.
+
+    .. math::
+        p_{t+1} = p_t - \eta_t \frac{\hat m_t}{\sqrt{\hat v^{max}_t + \epsilon_{root}} + \epsilon}
+
+    with the moments of ``scale_by_amsgrad``. ``chain(scale_by_amsgrad(...), scale_by_learning_rate(learning_rate))``,
+    optax's ``amsgrad`` (``fadam.adam(amsgrad=True)`` is torch.optim's, the maximum of the raw moment).
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        b1: decay of the first moment.
+        b2: decay of the second moment.
+        eps: added to the denominator outside the square root.
+        eps_root: added inside the square root.
+        mu_dtype: dtype of the first moment (default: the param's).
+        bias_correction_mu: divide the first moment by :math:`1-\beta_1^t`.
+        bias_correction_nu: divide the second moment by :math:`1-\beta_2^t` before the maximum.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.amsgrad(0.1, eps=0.0)
+        >>> params = [torch.zeros(2)]
+        >>> tx.update([torch.tensor([2.0, -0.5])], tx.init(params), params)[0]  # the first step: -0.1 sign(g)
+        [tensor([-0.1000,  0.1000])]
+
+    References:
+        Reddi et al., "On the Convergence of Adam and Beyond", ICLR 2018. optax's ``optax.amsgrad`` (0.2.8).
+    """
+    return chain(
+        scale_by_amsgrad(b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def adamaxw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 1e-4,
+    mask: Mask | None = None,
+) -> GradientTransformation:
+    r"""AdamaxW: Adamax with decoupled weight decay, scaled by the learning rate.
+
+    .. math::
+        p_{t+1} = p_t - \eta_t\left(\frac{m_t}{(1-\beta_1^t)\, u^\infty_t} + \lambda p_t\right)
+
+    with the moments of ``scale_by_adamax``. ``chain(scale_by_adamax(b1, b2, eps), add_decayed_weights(weight_decay,
+    mask), scale_by_learning_rate(learning_rate))``, optax's ``adamaxw``.
+
+    Args:
+        learning_rate: a float, a 0-d tensor or a schedule.
+        b1: decay of the first moment.
+        b2: decay of the infinity norm.
+        eps: added to :math:`|g_t|` inside the maximum.
+        weight_decay: the factor :math:`\lambda` (a float, a 0-d tensor or a schedule), multiplied by the learning
+            rate as torch.optim.AdamW does.
+        mask: a bool tree (or prefix, or callable ``params -> tree``) of the leaves to decay.
+
+    Example:
+        >>> import torch, fadam
+        >>> tx = fadam.adamaxw(0.1, weight_decay=0.5)
+        >>> params = [torch.tensor([1.0])]
+        >>> tx.update([torch.tensor([-4.0])], tx.init(params), params)[0]  # -0.1 (-1 + 0.5)
+        [tensor([0.0500])]
+
+    References:
+        Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015, section 7.1. Loshchilov & Hutter,
+        "Decoupled Weight Decay Regularization", ICLR 2019. optax's ``optax.adamaxw`` (0.2.8).
+    """
+    return chain(
+        scale_by_adamax(b1, b2, eps),
+        *_decay(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )

@@ -6,7 +6,8 @@ return 0-d tensors on the first leaf's device. Complex leaves are treated as opt
 conjugates its first argument, norms take the modulus.
 
 ``tree_add`` and ``tree_scale`` keep fadam's own signatures (``fadam._tree``); ``tree_add_scale`` is optax's
-``tree_x + scalar * tree_y``.
+``tree_x + scalar * tree_y``. ``incremental_update`` and ``periodic_update`` are optax's updates of a slow copy of
+the params (a Polyak average, a target network).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 
 import torch
 
-from fadam._numerics import bias_correction, dtype_for
+from fadam._numerics import bias_correction, dtype_for, host_number
 from fadam._tree import PyTree, tree_leaves, tree_map
 
 __all__ = [
+    "incremental_update",
+    "periodic_update",
     "tree_add_scalar_mul",
     "tree_add_scale",
     "tree_batch_shape",
@@ -340,3 +343,52 @@ def tree_bias_correction(moment: PyTree, decay: float | torch.Tensor, count: int
         return t / correction.to(device=t.device, dtype=real)
 
     return tree_map(_leafwise(correct), moment)
+
+
+def incremental_update(new_tensors: PyTree, old_tensors: PyTree, step_size: float | torch.Tensor) -> PyTree:
+    r"""A moving average of the params (Polyak averaging), leaf by leaf:
+    :math:`\bar p \leftarrow \tau p + (1-\tau)\bar p` (``None`` where ``new_tensors`` has ``None``).
+
+    Args:
+        new_tensors: the latest params :math:`p`.
+        old_tensors: the average :math:`\bar p`.
+        step_size: the weight :math:`\tau` of the latest params.
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.incremental_update([torch.tensor([1.0])], [torch.tensor([3.0])], 0.25)
+        [tensor([2.5000])]
+
+    References:
+        Polyak & Juditsky, "Acceleration of Stochastic Approximation by Averaging", SIAM J. Control Optim., 1992.
+        optax's ``optax.incremental_update`` (0.2.8).
+    """
+    return tree_map(_leafwise(lambda new, old: step_size * new + (1.0 - step_size) * old), new_tensors, old_tensors)
+
+
+def periodic_update(
+    new_tensors: PyTree, old_tensors: PyTree, steps: int | torch.Tensor, update_period: int | torch.Tensor
+) -> PyTree:
+    r"""A slow copy of the params, replaced by the latest ones every ``update_period`` steps: ``new_tensors`` where
+    :math:`\text{steps} \bmod \text{update\_period} = 0`, else ``old_tensors`` (the trees themselves, not copies).
+
+    Args:
+        new_tensors: the latest params.
+        old_tensors: the slow copy.
+        steps: the steps taken by the latest params.
+        update_period: how many steps apart the copy is refreshed.
+
+    Example:
+        >>> import torch, fadam
+        >>> fadam.periodic_update([torch.ones(1)], [torch.zeros(1)], steps=6, update_period=3)
+        [tensor([1.])]
+
+    References:
+        Mnih et al., "Human-level control through deep reinforcement learning", Nature 2015 (target networks).
+        optax's ``optax.periodic_update`` (0.2.8).
+    """
+    due = torch.remainder(torch.as_tensor(steps), torch.as_tensor(update_period)) == 0
+    known = host_number(due)
+    if not isinstance(known, torch.Tensor):  # a plain count: pick a tree, as optax's lax.cond does
+        return new_tensors if known else old_tensors
+    return tree_where(due, new_tensors, old_tensors)  # batched, traced or on a device: selected without a sync

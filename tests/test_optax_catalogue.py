@@ -1,8 +1,9 @@
 """NovoGrad, LARS, Adan, SM3, Fromage, noisy SGD, Polyak SGD, optimistic gradient descent and Adam (both
-interfaces), and the transforms and wrappers around them (add_noise, centralize, adaptive_grad_clip,
+interfaces), AMSGrad, AdamaxW, and the transforms and wrappers around them (add_noise, centralize, adaptive_grad_clip,
 normalize_by_update_norm, keep_params_nonnegative, apply_every, conditionally_mask, conditionally_transform, flatten,
-per_example_global_norm_clip, multi_transform, monitor, snapshot, measure_with_ema) against optax's float64
-trajectories.
+per_example_global_norm_clip, multi_transform, monitor, snapshot, measure_with_ema, scale_by_distance_over_gradients,
+scale_by_param_block_norm) against optax's float64 trajectories (the line searches and utilities:
+tests/test_optax_utilities.py).
 
 The optax values (tests/data/optax_catalogue.json) were computed by optax 0.2.8 with jax in float64, on the fixed
 gradients, params and loss values stored beside them (scripts/optax_catalogue_reference.py). Noise cannot match jax's
@@ -61,14 +62,22 @@ FADAM_NAMES = {
         "conditionally_mask",
         "conditionally_transform",
         "flatten",
+        "scale_by_amsgrad",
+        "amsgrad",
+        "adamaxw",
+        "scale_by_distance_over_gradients",
+        "scale_by_param_block_norm",
     )
 }
 # declared elementwise (fadam._program): they also run through the generated CPU kernel
 ELEMENTWISE = {"scale_by_adan", "adan", "scale_by_optimistic_gradient", "optimistic_gradient_descent"}
 ELEMENTWISE |= {"normalize_by_update_norm", "keep_params_nonnegative", "lars", "fromage"}
+ELEMENTWISE |= {"scale_by_amsgrad", "amsgrad", "scale_by_param_block_norm"}
 
 
 def _resolve(value: Any) -> Any:
+    if isinstance(value, dict) and "dtype" in value:
+        return getattr(torch, value["dtype"])
     if isinstance(value, dict) and "schedule" in value:
         return getattr(fadam, value["schedule"])(**value["kwargs"])
     return value
@@ -144,6 +153,8 @@ def test_every_new_optax_name_has_a_reference_case():
         ("novograd-default", {"b2": 0.25 + 1e-7}),
         ("lars-alias", {"trust_coefficient": 0.001 * (1 + 1e-8)}),
         ("optimistic-adam-v2-alias", {"beta": 1.0 + 1e-6}),
+        ("amsgrad-uncorrected", {"eps_root": 1e-8 * (1 + 1e-2)}),
+        ("dog-float64-start", {"reps_rel": 1e-2 * (1 + 1e-8)}),
     ],
 )
 def test_the_reference_comparison_can_fail(name, change):
@@ -327,6 +338,9 @@ VMAP_BUILDERS = {
     "adaptive_grad_clip": lambda: fadam.adaptive_grad_clip(0.1),
     "centralize": fadam.centralize,
     "keep_params_nonnegative": fadam.keep_params_nonnegative,
+    "scale_by_amsgrad": lambda: fadam.scale_by_amsgrad(bias_correction_nu=False),
+    "scale_by_distance_over_gradients": lambda: fadam.scale_by_distance_over_gradients(reps_rel=0.1),
+    "scale_by_param_block_norm": fadam.scale_by_param_block_norm,
 }
 
 

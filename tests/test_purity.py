@@ -362,6 +362,72 @@ FACTORIES.update(
         ],
     }
 )
+
+
+class _Halving:
+    """A stateful schedule (``inject_stateful_hyperparams``): 0.1, halved at every update."""
+
+    def init(self) -> torch.Tensor:
+        return torch.tensor(0.1, dtype=torch.float64)
+
+    def update(self, state: torch.Tensor, **_: Any) -> torch.Tensor:
+        return state / 2
+
+    def __call__(self, state: torch.Tensor, **_: Any) -> torch.Tensor:
+        return state
+
+
+def _with_line_search_args(tx: fadam.GradientTransformation) -> fadam.GradientTransformation:
+    """A chain ending in a line search, given |p|^2 / 2 as its loss at every update (whose gradient is p)."""
+
+    def value_fn(params: Any) -> torch.Tensor:
+        return sum((leaf.abs() ** 2).sum() for _, leaf in tensor_leaves(params)) / 2
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        grad = fadam.tree_map(lambda p: None if p is None else p.clone(), params)
+        return tx.update(updates, state, params, value=value_fn(params), grad=grad, value_fn=value_fn, **extra)
+
+    return fadam.GradientTransformation(tx.init, update)
+
+
+def _bare(tx: fadam.GradientTransformation) -> fadam.GradientTransformation:
+    """``tx`` behind an update that takes no extra arguments (what ``with_extra_args_support`` wraps)."""
+    return fadam.GradientTransformation(tx.init, lambda updates, state, params=None: tx.update(updates, state, params))
+
+
+FACTORIES.update(
+    {
+        "adamaxw": [lambda: fadam.adamaxw(_half_lr, weight_decay=0.1)],
+        "amsgrad": [lambda: fadam.amsgrad(1e-2, bias_correction_mu=False)],
+        "scale_by_amsgrad": [lambda: fadam.scale_by_amsgrad(eps_root=1e-8, bias_correction_nu=False)],
+        "scale_by_distance_over_gradients": [
+            fadam.scale_by_distance_over_gradients,
+            lambda: fadam.scale_by_distance_over_gradients(reps_rel=1e-2, param_dtype=None, global_scale=-1.0),
+        ],
+        "scale_by_param_block_norm": [fadam.scale_by_param_block_norm],
+        "scale_by_lbfgs": [
+            lambda: fadam.chain(fadam.scale_by_lbfgs(memory_size=2), fadam.scale(-0.1)),
+            lambda: fadam.chain(fadam.scale_by_lbfgs(scale_init_precond=False), fadam.scale(-0.1)),
+        ],
+        "scale_by_zoom_linesearch": [
+            lambda: _with_line_search_args(fadam.chain(fadam.scale(-1.0), fadam.scale_by_zoom_linesearch(8))),
+        ],
+        "scale_by_backtracking_linesearch": [
+            lambda: _with_line_search_args(
+                fadam.chain(fadam.scale(-1.0), fadam.scale_by_backtracking_linesearch(8, store_grad=True))
+            ),
+        ],
+        "with_extra_args_support": [
+            lambda: fadam.with_extra_args_support(fadam.adam(1e-2)),
+            lambda: fadam.with_extra_args_support(_bare(fadam.sgd(1e-2, momentum=0.9))),
+        ],
+        "inject_stateful_hyperparams": [
+            lambda: fadam.inject_stateful_hyperparams(fadam.sgd)(
+                lr=_Halving(), momentum=0.9, weight_decay=fadam.linear_schedule(0.1, 0, 3)
+            ),
+        ],
+    }
+)
 REAL_ONLY = {"clip"}  # factories whose transforms reject complex params, by definition
 REAL_ONLY |= {"adafactor_torch", "scale_by_adafactor_torch"}  # as torch.optim.Adafactor
 REAL_ONLY |= {"sm3", "scale_by_sm3"}  # as optax (maxima of the accumulator)
