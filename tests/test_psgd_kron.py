@@ -18,6 +18,7 @@ from torch.func import vmap
 
 import fadam
 from fadam.transforms._psgd_kron import draw_generator, shared_draw
+from tests import noisy_quadratic as quadratic
 
 STEPS = 10
 # "wide": 8 > the size limit 6; "tall" merges into (12, 2), not (6, 4) (kron_torch compares signed differences);
@@ -32,23 +33,6 @@ SHAPES = {
     "scalar": (),
 }
 KRON_TORCH = json.loads((Path(__file__).parent / "data" / "psgd_kron.json").read_text())
-
-
-def _f64(value: Any) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float64)
-
-
-def _gradient(name: str, p: torch.Tensor, t: int) -> torch.Tensor:
-    """A noisy quadratic's gradient at ``p`` (scripts/psgd_kron_reference.py's)."""
-    index = torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape)
-    a = 0.5 + 0.25 * torch.cos(index)
-    c = torch.sin(index + len(name))
-    return a * (p - c) + 0.5 * torch.sin(1.3 * t + 2.1 * index + len(name))
-
-
-def _start(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen, dtype=torch.float64) for name, shape in shapes.items()}
 
 
 def _annealed(min_prob: float, decay: float, flat_start: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -239,17 +223,17 @@ def test_psgd_kron_follows_kron_torchs_equations(hp: dict, key: int) -> None:
     rebalancing the factors)."""
     tx = fadam.psgd_kron(**hp, max_size_triangular=6, key=key)
     reference = kron_reference({**hp, "max_size_triangular": 6}, key)
-    params = _start(SHAPES)
+    params = quadratic.start(SHAPES)
     ref, ref_state, state = dict(params), {}, tx.init(params)
     worst, rebalanced = 0.0, 0
     for t in range(1, STEPS + 1):
-        params, state = fadam.step(tx, params, {k: _gradient(k, p, t) for k, p in params.items()}, state)
-        ref, balanced = reference(ref, {k: _gradient(k, p, t) for k, p in ref.items()}, ref_state)
+        params, state = fadam.step(tx, params, {k: quadratic.gradient(k, p, t) for k, p in params.items()}, state)
+        ref, balanced = reference(ref, {k: quadratic.gradient(k, p, t) for k, p in ref.items()}, ref_state)
         rebalanced += balanced
         worst = max(worst, max(float((params[k] - ref[k]).abs().max()) for k in ref))
     assert worst <= 1e-12, worst
     assert rebalanced == 1
-    assert min(float((params[k] - p0).abs().max()) for k, p0 in _start(SHAPES).items()) > 0.02
+    assert min(float((params[k] - p0).abs().max()) for k, p0 in quadratic.start(SHAPES).items()) > 0.02
 
 
 def test_the_written_out_equations_can_fail() -> None:
@@ -259,11 +243,11 @@ def test_the_written_out_equations_can_fail() -> None:
         fadam.psgd_kron(**hp, max_size_triangular=6, key=1),
         kron_reference({**hp, "max_size_triangular": 6}, 2),
     )
-    params, ref, ref_state = _start(SHAPES), _start(SHAPES), {}
+    params, ref, ref_state = quadratic.start(SHAPES), quadratic.start(SHAPES), {}
     state = tx.init(params)
     for t in range(1, 4):
-        params, state = fadam.step(tx, params, {k: _gradient(k, p, t) for k, p in params.items()}, state)
-        ref, _ = reference(ref, {k: _gradient(k, p, t) for k, p in ref.items()}, ref_state)
+        params, state = fadam.step(tx, params, {k: quadratic.gradient(k, p, t) for k, p in params.items()}, state)
+        ref, _ = reference(ref, {k: quadratic.gradient(k, p, t) for k, p in ref.items()}, ref_state)
     assert float((params["matrix"] - ref["matrix"]).abs().max()) > 1e-6
 
 
@@ -276,17 +260,17 @@ def test_psgd_kron_matches_kron_torch(case: dict) -> None:
     if case["schedule"] is not None:
         kwargs["preconditioner_update_probability"] = _annealed(**case["schedule"])
     tx = fadam.psgd_kron(**kwargs, max_size_triangular=6, key=case["key"])
-    params = {k: _f64(v) for k, v in case["start"].items()}
+    params = {k: quadratic.f64(v) for k, v in case["start"].items()}
     state = tx.init(params)
     for t, (grads, want) in enumerate(zip(case["grads"], case["params"]), start=1):
-        params, state = fadam.step(tx, params, {k: _f64(g) for k, g in grads.items()}, state)
+        params, state = fadam.step(tx, params, {k: quadratic.f64(g) for k, g in grads.items()}, state)
         for k, v in want.items():
-            err = float((params[k] - _f64(v)).abs().max())
+            err = float((params[k] - quadratic.f64(v)).abs().max())
             assert err <= 1e-6, f"step {t}, {k}: {err:.2e}"
     factors = state[0].preconditioners
     for k, want in case["preconditioners"].items():
         for q, q_want in zip(factors[k], want, strict=True):
-            assert float((q - _f64(q_want)).abs().max()) <= 1e-6, k
+            assert float((q - quadratic.f64(q_want)).abs().max()) <= 1e-6, k
     assert case["balanced_steps"]
     assert float((factors["matrix"][0] - torch.eye(4) * factors["matrix"][0][0, 0]).abs().max()) > 0.05
 
@@ -327,9 +311,10 @@ def test_vmap_over_an_ensemble_equals_each_member_alone() -> None:
     """Three members stepped together by ``torch.func.vmap`` (each member stepped alone inside) equal each member
     stepped alone, within 1e-12."""
     shapes = {"matrix": (4, 5), "vector": (3,)}
-    members = [{k: v * (i + 1) for k, v in _start(shapes).items()} for i in range(3)]
+    start = quadratic.start(shapes)
+    members = [{k: v * (i + 1) for k, v in start.items()} for i in range(3)]
     grads = [
-        [{k: _gradient(k, p, t) * (1 - 0.5 * i) for k, p in _start(shapes).items()} for i in range(3)] for t in range(4)
+        [{k: quadratic.gradient(k, p, t) * (1 - 0.5 * i) for k, p in start.items()} for i in range(3)] for t in range(4)
     ]
     tx = fadam.psgd_kron(0.05, preconditioner_update_probability=0.5)
     stacked = {k: torch.stack([m[k] for m in members]) for k in shapes}
@@ -347,11 +332,13 @@ def test_vmap_over_an_ensemble_equals_each_member_alone() -> None:
 
 
 def test_16_bit_params_keep_float32_state() -> None:
-    params = {k: v.to(torch.bfloat16) for k, v in _start({"matrix": (4, 5), "vector": (3,), "scalar": ()}).items()}
+    params = {
+        k: v.to(torch.bfloat16) for k, v in quadratic.start({"matrix": (4, 5), "vector": (3,), "scalar": ()}).items()
+    }
     tx = fadam.psgd_kron(0.05)
     state = tx.init(params)
     for t in range(1, 4):
-        grads = {k: _gradient(k, p.double(), t).bfloat16() for k, p in params.items()}
+        grads = {k: quadratic.gradient(k, p.double(), t).bfloat16() for k, p in params.items()}
         updates, state = tx.update(grads, state, params)
         assert all(u.dtype == torch.bfloat16 and torch.isfinite(u).all() for u in updates.values())
         params = fadam.apply_updates(params, updates)
@@ -362,7 +349,7 @@ def test_16_bit_params_keep_float32_state() -> None:
 def test_partition_and_inject_hyperparams_give_the_plain_numbers() -> None:
     """PSGD Kron on the matrices and AdamW on the rest equal each alone, and inject_hyperparams' wrapper equals the
     plain alias, bit for bit."""
-    params = _start({"matrix": (4, 5), "cube": (2, 3, 4), "vector": (3,)})
+    params = quadratic.start({"matrix": (4, 5), "cube": (2, 3, 4), "vector": (3,)})
     labels = {"matrix": "kron", "cube": "kron", "vector": "adamw"}
     tx = fadam.partition({"kron": fadam.psgd_kron(0.05, key=3), "adamw": fadam.adamw(0.01)}, labels)
     kron, adamw = fadam.psgd_kron(0.05, key=3), fadam.adamw(0.01)
@@ -373,7 +360,7 @@ def test_partition_and_inject_hyperparams_give_the_plain_numbers() -> None:
     p_injected, p_plain = params, params
     s_injected, s_plain = injected.init(params), plain.init(params)
     for t in range(1, 4):
-        grads = {k: _gradient(k, p, t) for k, p in params.items()}
+        grads = {k: quadratic.gradient(k, p, t) for k, p in params.items()}
         params, state = fadam.step(tx, params, grads, state)
         matrices, kron_state = fadam.step(kron, matrices, {k: grads[k] for k in matrices}, kron_state)
         vectors, adamw_state = fadam.step(adamw, vectors, {"vector": grads["vector"]}, adamw_state)
@@ -416,11 +403,11 @@ def test_bad_hyperparameters_are_refused(make: Callable, message: str) -> None:
 def test_state_round_trips_through_torch_save(tmp_path: Path) -> None:
     """The state is plain tensors and containers: ``torch.load(weights_only=True)`` reads it back."""
     tx = fadam.psgd_kron(0.05, partition_grads=True, block_size=2)
-    params = _start({"matrix": (4, 5), "scalar": ()})
-    params, state = fadam.step(tx, params, {k: _gradient(k, p, 1) for k, p in params.items()}, tx.init(params))
+    params = quadratic.start({"matrix": (4, 5), "scalar": ()})
+    params, state = fadam.step(tx, params, {k: quadratic.gradient(k, p, 1) for k, p in params.items()}, tx.init(params))
     torch.save(state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     assert type(loaded[0]) is fadam.ScaleByPsgdKronState and len(loaded[0].preconditioners["matrix"]) == 12
-    grads = {k: _gradient(k, p, 2) for k, p in params.items()}
+    grads = {k: quadratic.gradient(k, p, 2) for k, p in params.items()}
     after, after_loaded = fadam.step(tx, params, grads, state)[0], fadam.step(tx, params, grads, loaded)[0]
     assert all(torch.equal(after[k], after_loaded[k]) for k in after)

@@ -18,42 +18,26 @@ import torch
 from torch.func import vmap
 
 import fadam
+from tests import noisy_quadratic as quadratic
 
 STEPS = 15
 SHAPES = {"vector": (3,), "matrix": (4, 5), "cube": (2, 3, 4), "wide": (3, 12)}  # "wide": 12 > the size limit 10
 HEAVYBALL = json.loads((Path(__file__).parent / "data" / "heavyball_soap.json").read_text())
 
 
-def _f64(value: Any) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float64)
-
-
-def _gradient(name: str, p: torch.Tensor, t: int) -> torch.Tensor:
-    """A noisy quadratic's gradient at ``p`` (scripts/heavyball_soap_reference.py's)."""
-    index = torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape)
-    a = 0.5 + 0.25 * torch.cos(index)
-    c = torch.sin(index + len(name))
-    return a * (p - c) + 0.5 * torch.sin(1.3 * t + 2.1 * index + len(name))
-
-
-def _start(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {name: torch.randn(shape, generator=gen, dtype=torch.float64) for name, shape in shapes.items()}
-
-
 def _worst_error(tx: fadam.GradientTransformation, reference: Callable, shapes: dict) -> tuple[float, float]:
     """The largest difference between ``tx``'s params and the reference's over ``STEPS`` steps, each on its own
     params' gradients, and how far the params moved."""
-    params = _start(shapes)
+    params = quadratic.start(shapes)
     ref = {k: v.clone() for k, v in params.items()}
     state, ref_state = tx.init(params), {}
     worst = 0.0
     for t in range(1, STEPS + 1):
-        grads = {k: _gradient(k, p, t) for k, p in params.items()}
+        grads = {k: quadratic.gradient(k, p, t) for k, p in params.items()}
         params, state = fadam.step(tx, params, grads, state)
-        ref = reference(ref, {k: _gradient(k, p, t) for k, p in ref.items()}, ref_state)
+        ref = reference(ref, {k: quadratic.gradient(k, p, t) for k, p in ref.items()}, ref_state)
         worst = max(worst, max(float((params[k] - ref[k]).abs().max()) for k in ref))
-    moved = min(float((params[k] - p0).abs().max()) for k, p0 in _start(shapes).items())
+    moved = min(float((params[k] - p0).abs().max()) for k, p0 in quadratic.start(shapes).items())
     return worst, moved
 
 
@@ -206,14 +190,14 @@ def test_soap_matches_heavyball(case: dict) -> None:
     kwargs = dict(case["kwargs"])
     kwargs["learning_rate"], kwargs["betas"] = kwargs.pop("lr"), tuple(kwargs["betas"])
     tx = fadam.soap(**{"precondition_frequency": 2, **kwargs}, max_precond_dim=10)
-    params = {k: _f64(v) for k, v in case["start"].items()}
+    params = {k: quadratic.f64(v) for k, v in case["start"].items()}
     state = tx.init(params)
     for t, (grads, want) in enumerate(zip(case["grads"], case["params"]), start=1):
-        params, state = fadam.step(tx, params, {k: _f64(g) for k, g in grads.items()}, state)
+        params, state = fadam.step(tx, params, {k: quadratic.f64(g) for k, g in grads.items()}, state)
         for k, v in want.items():
-            err = float((params[k] - _f64(v)).abs().max())
+            err = float((params[k] - quadratic.f64(v)).abs().max())
             assert err <= 1e-6, f"step {t}, {k}: {err:.2e}"
-    assert float((params["matrix"] - _f64(case["start"]["matrix"])).abs().max()) > 0.3
+    assert float((params["matrix"] - quadratic.f64(case["start"]["matrix"])).abs().max()) > 0.3
 
 
 # ---------------------------------------------------------------------------------- Shampoo, its equations written out
@@ -344,9 +328,10 @@ def test_vmap_over_an_ensemble_equals_each_member_alone(make: Callable) -> None:
     """Three members stepped together by ``torch.func.vmap`` (which computes both outcomes of each refresh and
     selects) equal each member stepped alone (which computes only the refreshes it needs), within 1e-12."""
     shapes = {"matrix": (4, 5), "vector": (3,)}
-    members = [{k: v * (i + 1) for k, v in _start(shapes).items()} for i in range(3)]
+    start = quadratic.start(shapes)
+    members = [{k: v * (i + 1) for k, v in start.items()} for i in range(3)]
     grads = [
-        [{k: _gradient(k, p, t) * (1 - 0.5 * i) for k, p in _start(shapes).items()} for i in range(3)] for t in range(6)
+        [{k: quadratic.gradient(k, p, t) * (1 - 0.5 * i) for k, p in start.items()} for i in range(3)] for t in range(6)
     ]
     tx = make()
     stacked = {k: torch.stack([m[k] for m in members]) for k in shapes}
@@ -365,11 +350,11 @@ def test_vmap_over_an_ensemble_equals_each_member_alone(make: Callable) -> None:
 
 @pytest.mark.parametrize("make", [fadam.soap, fadam.shampoo], ids=["soap", "shampoo"])
 def test_16_bit_params_keep_float32_statistics(make: Callable) -> None:
-    params = {k: v.to(torch.bfloat16) for k, v in _start({"matrix": (4, 5), "vector": (3,)}).items()}
+    params = {k: v.to(torch.bfloat16) for k, v in quadratic.start({"matrix": (4, 5), "vector": (3,)}).items()}
     tx = make(learning_rate=0.05, precondition_frequency=2)
     state = tx.init(params)
     for t in range(1, 5):
-        grads = {k: _gradient(k, p.double(), t).bfloat16() for k, p in params.items()}
+        grads = {k: quadratic.gradient(k, p.double(), t).bfloat16() for k, p in params.items()}
         updates, state = tx.update(grads, state, params)
         assert all(u.dtype == torch.bfloat16 and torch.isfinite(u).all() for u in updates.values())
         params = fadam.apply_updates(params, updates)
@@ -379,14 +364,14 @@ def test_16_bit_params_keep_float32_statistics(make: Callable) -> None:
 
 def test_partition_gives_each_leaf_its_transform() -> None:
     """SOAP on the matrices, AdamW on the rest: each leaf as its transform alone, bit for bit."""
-    params = _start({"matrix": (4, 5), "cube": (2, 3, 4), "vector": (3,)})
+    params = quadratic.start({"matrix": (4, 5), "cube": (2, 3, 4), "vector": (3,)})
     labels = {"matrix": "soap", "cube": "soap", "vector": "adamw"}
     tx = fadam.partition({"soap": fadam.soap(0.05, precondition_frequency=2), "adamw": fadam.adamw(0.01)}, labels)
     soap, adamw = fadam.soap(0.05, precondition_frequency=2), fadam.adamw(0.01)
     matrices, vectors = {k: params[k] for k in ("matrix", "cube")}, {"vector": params["vector"]}
     state, soap_state, adamw_state = tx.init(params), soap.init(matrices), adamw.init(vectors)
     for t in range(1, 6):
-        grads = {k: _gradient(k, p, t) for k, p in params.items()}
+        grads = {k: quadratic.gradient(k, p, t) for k, p in params.items()}
         params, state = fadam.step(tx, params, grads, state)
         matrices, soap_state = fadam.step(soap, matrices, {k: grads[k] for k in matrices}, soap_state)
         vectors, adamw_state = fadam.step(adamw, vectors, {"vector": grads["vector"]}, adamw_state)
@@ -443,7 +428,7 @@ def test_shampoo_compiles_into_one_graph() -> None:
     from torch._dynamo.testing import CompileCounter
 
     tx = fadam.shampoo(0.05, precondition_frequency=2, start_preconditioning_step=4, grafting="adam")
-    params = _start({"matrix": (4, 5)})
+    params = quadratic.start({"matrix": (4, 5)})
     torch.compiler.reset()
     counter = CompileCounter()
 
@@ -455,7 +440,7 @@ def test_shampoo_compiles_into_one_graph() -> None:
     compiled, eager = params, params
     compiled_state, eager_state = tx.init(params), tx.init(params)
     for t in range(1, 6):
-        grads = {k: _gradient(k, p, t) for k, p in params.items()}
+        grads = {k: quadratic.gradient(k, p, t) for k, p in params.items()}
         compiled, compiled_state = train_step(compiled, grads, compiled_state)
         eager, eager_state = fadam.step(tx, eager, grads, eager_state)
     assert counter.frame_count == 1
