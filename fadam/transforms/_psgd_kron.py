@@ -60,14 +60,11 @@ def draw_generator(key: int, count: int, stream: int, device: torch.device | str
     return torch.Generator(device).manual_seed(int.from_bytes(digest, "little"))
 
 
-# the draws run outside torch.compile's graphs: dynamo does not trace torch.Generator
-@torch.compiler.disable
 def shared_draw(key: int, count: int) -> float:
     """The uniform draw of a step that every leaf reads: below ``BALANCE_PROBABILITY``, the factors are rebalanced."""
     return float(torch.rand((), generator=draw_generator(key, count, SHARED_STREAM), dtype=torch.float64))
 
 
-@torch.compiler.disable
 def normal_draws(
     key: int, count: int, stream: int, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
@@ -369,6 +366,9 @@ def scale_by_psgd_kron(
     size = block if partition_grads else None
     probability = preconditioner_update_probability
     schedule = default_update_probability if probability is None else probability
+    # the draws run outside torch.compile's graphs (dynamo does not trace torch.Generator); disabled here, not where
+    # they are defined, so that importing fadam does not import dynamo
+    shared, normal = torch.compiler.disable(shared_draw), torch.compiler.disable(normal_draws)
 
     def plan_of(shape: torch.Size) -> _Plan:
         return _plan(shape, rule, merge_dims, size)
@@ -408,9 +408,9 @@ def scale_by_psgd_kron(
         m_hat = mu / for_leaf(1 - b1 ** (count + 1), mu)
         groups = plan.grouped(factors)
         if update and w.numel():
-            rebalance = w.dim() > 1 and shared_draw(seed, count) < BALANCE_PROBABILITY
+            rebalance = w.dim() > 1 and shared(seed, count) < BALANCE_PROBABILITY
             fit_input = plan.split(m_hat if momentum_into_precond_update else w)
-            vectors = normal_draws(seed, count, index, [x.shape for x in fit_input], w.dtype, w.device)
+            vectors = normal(seed, count, index, [x.shape for x in fit_input], w.dtype, w.device)
             groups = [
                 fitted(balanced(qs) if rebalance else qs, triangular, x + DAMPING * x.abs().mean() * v, v, precond_lr)
                 for qs, (_, triangular), x, v in zip(groups, plan.blocks, fit_input, vectors)
