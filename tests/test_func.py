@@ -26,6 +26,8 @@ from tests.tree_checks import max_rel_err, tensor_leaves
 # branches on the loss's values (line search, stopping tests), or seeds a generator from its state: refused under
 # torch.func, checked below
 VALUE_BRANCHING = {"lbfgs", "noisy_sgd", "add_noise"}
+# refuse torch.func by design (a ring buffer indexed by the count, a search that branches on the loss's values)
+VALUE_BRANCHING |= {"scale_by_lbfgs", "scale_by_zoom_linesearch", "scale_by_backtracking_linesearch"}
 SPARSE_ONLY = {"sparse_adam", "scale_by_sparse_adam"}  # take sparse gradients only, which torch.func does not batch
 TRANSFORMS = [
     pytest.param(builder, name not in REAL_ONLY, id=f"{name}-{index}")

@@ -423,3 +423,15 @@ def test_protocol_helpers():
     )
     assert shapes[0].mu == {"b": True, "c": True, "w": True} and shapes[0].nu_max["w"] is True
     assert shapes[0].count == "other" and shapes[1] == fadam.EmptyState()
+
+
+def test_scale_by_lbfgs_steps_a_complex_leaf_after_one_of_odd_size():
+    """A complex leaf's reals start at an odd place of the flat vector: its update is still its own pairs of reals,
+    as for the same leaf first in the tree."""
+    z = torch.tensor([1.0 + 2.0j, -0.5 + 0.25j], dtype=torch.complex128)
+    g = torch.tensor([0.3 - 0.1j, 0.2 + 0.4j], dtype=torch.complex128)
+    tx = fadam.scale_by_lbfgs(memory_size=2)
+    odd = {"a": _tensor([1.0, 2.0, 3.0]), "z": z}
+    updates, _ = tx.update({"a": _tensor([0.0, 0.0, 0.0]), "z": g}, tx.init(odd), odd)
+    alone, _ = tx.update({"z": g}, tx.init({"z": z}), {"z": z})
+    torch.testing.assert_close(updates["z"], alone["z"], rtol=1e-12, atol=0)

@@ -31,7 +31,8 @@ def _leaves_of(vector: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Ten
     for x in like:
         real = _real(x)
         part = vector[offset : offset + real.numel()].reshape(real.shape).to(real.dtype)
-        leaves.append(torch.view_as_complex(part.contiguous()) if x.is_complex() else part)
+        # a copy: a slice at an odd offset cannot be viewed as complex
+        leaves.append(torch.view_as_complex(part.clone()) if x.is_complex() else part)
         offset += real.numel()
     return leaves
 
