@@ -23,3 +23,31 @@ def gradient(name: str, p: torch.Tensor, t: int) -> torch.Tensor:
 def start(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {name: torch.randn(shape, generator=gen, dtype=torch.float64) for name, shape in shapes.items()}
+
+
+def ensemble_and_members(tx: Any, shapes: dict[str, tuple[int, ...]], steps: int) -> tuple[dict, list[dict]]:
+    """An ensemble of 3 scaled copies of ``start(shapes)`` stepped ``steps`` times under ``torch.func.vmap`` (its
+    stacked params), and each member stepped alone by ``fadam.step`` on its own gradients (their params)."""
+    from torch.func import vmap
+
+    import fadam
+
+    start_params = start(shapes)
+    members = [{k: v * (i + 1) for k, v in start_params.items()} for i in range(3)]
+    grads = [
+        [{k: gradient(k, p, t) * (1 - 0.5 * i) for k, p in start_params.items()} for i in range(3)]
+        for t in range(steps)
+    ]
+    stacked = {k: torch.stack([m[k] for m in members]) for k in shapes}
+    state = vmap(tx.init)(stacked)
+    for step_grads in grads:
+        g = {k: torch.stack([step_grads[i][k] for i in range(3)]) for k in shapes}
+        updates, state = vmap(tx.update)(g, state, stacked)
+        stacked = fadam.apply_updates(stacked, updates)
+    alone = []
+    for i, params in enumerate(members):
+        member_state = tx.init(params)
+        for step_grads in grads:
+            params, member_state = fadam.step(tx, params, step_grads[i], member_state)
+        alone.append(params)
+    return stacked, alone

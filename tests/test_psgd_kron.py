@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.func import vmap
 
 import fadam
 from fadam.transforms._psgd_kron import draw_generator, shared_draw
@@ -311,22 +310,10 @@ def test_vmap_over_an_ensemble_equals_each_member_alone() -> None:
     """Three members stepped together by ``torch.func.vmap`` (each member stepped alone inside) equal each member
     stepped alone, within 1e-12."""
     shapes = {"matrix": (4, 5), "vector": (3,)}
-    start = quadratic.start(shapes)
-    members = [{k: v * (i + 1) for k, v in start.items()} for i in range(3)]
-    grads = [
-        [{k: quadratic.gradient(k, p, t) * (1 - 0.5 * i) for k, p in start.items()} for i in range(3)] for t in range(4)
-    ]
-    tx = fadam.psgd_kron(0.05, preconditioner_update_probability=0.5)
-    stacked = {k: torch.stack([m[k] for m in members]) for k in shapes}
-    state = vmap(tx.init)(stacked)
-    for step_grads in grads:
-        g = {k: torch.stack([step_grads[i][k] for i in range(3)]) for k in shapes}
-        updates, state = vmap(tx.update)(g, state, stacked)
-        stacked = fadam.apply_updates(stacked, updates)
+    stacked, members = quadratic.ensemble_and_members(
+        fadam.psgd_kron(0.05, preconditioner_update_probability=0.5), shapes, steps=4
+    )
     for i, params in enumerate(members):
-        alone = tx.init(params)
-        for step_grads in grads:
-            params, alone = fadam.step(tx, params, step_grads[i], alone)
         for k in shapes:
             assert float((stacked[k][i] - params[k]).abs().max()) <= 1e-12, (i, k)
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.func import vmap
 
 import fadam
 from tests import noisy_quadratic as quadratic
@@ -328,22 +327,8 @@ def test_vmap_over_an_ensemble_equals_each_member_alone(make: Callable) -> None:
     """Three members stepped together by ``torch.func.vmap`` (which computes both outcomes of each refresh and
     selects) equal each member stepped alone (which computes only the refreshes it needs), within 1e-12."""
     shapes = {"matrix": (4, 5), "vector": (3,)}
-    start = quadratic.start(shapes)
-    members = [{k: v * (i + 1) for k, v in start.items()} for i in range(3)]
-    grads = [
-        [{k: quadratic.gradient(k, p, t) * (1 - 0.5 * i) for k, p in start.items()} for i in range(3)] for t in range(6)
-    ]
-    tx = make()
-    stacked = {k: torch.stack([m[k] for m in members]) for k in shapes}
-    state = vmap(tx.init)(stacked)
-    for step_grads in grads:
-        g = {k: torch.stack([step_grads[i][k] for i in range(3)]) for k in shapes}
-        updates, state = vmap(tx.update)(g, state, stacked)
-        stacked = fadam.apply_updates(stacked, updates)
+    stacked, members = quadratic.ensemble_and_members(make(), shapes, steps=6)
     for i, params in enumerate(members):
-        alone = tx.init(params)
-        for step_grads in grads:
-            params, alone = fadam.step(tx, params, step_grads[i], alone)
         for k in shapes:
             torch.testing.assert_close(stacked[k][i], params[k], rtol=1e-12, atol=1e-12)
 
