@@ -10,7 +10,7 @@ leaves are grouped by the stages that apply to them, and each group runs those. 
 - *generated kernel*: one call per group and device for all the leaves that may take it, the C++ one
   (``fadam._cpu_kernel``) for CPU leaves and the Triton one (``fadam._triton_kernel``) for CUDA leaves: plain
   tensors that autograd does not record, contiguous, float32, float64 or bfloat16 (complex ones as pairs of reals),
-  with the gradient in the param's dtype (quantized slots: on the CPU only); the last segment also adds the update
+  with the gradient in the param's dtype (quantized slots: of real params); the last segment also adds the update
   to the param;
 - *eager*: the declarations' bodies on torch ops, for the other leaves, and every leaf of an opaque stage.
 
@@ -158,8 +158,8 @@ def ready(
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
     slot_dtypes = (dtype,) if zero_dim or p.is_complex() else KERNEL_DTYPES
     for number, tensor in enumerate((p, u, *slots)):
-        if type(tensor) is QuantizedArray:  # the Triton kernel does not generate quantized slots
-            if not on_cpu or zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled):
+        if type(tensor) is QuantizedArray:
+            if zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled, device):
                 return False
             continue
         if (
@@ -192,10 +192,15 @@ def _walkable(tensor: Any, grad_enabled: bool, wrapped: Any) -> bool:
 _CODE_PARTS = ((torch.uint8, 1), (torch.float32, 1), (torch.uint8, 0))  # codes, absmax, map_id: dtype, dims
 
 
-def _quantized_ready(q: QuantizedArray, p: torch.Tensor, storage: Storage | None, grad_enabled: bool) -> bool:
+def _quantized_ready(
+    q: QuantizedArray, p: torch.Tensor, storage: Storage | None, grad_enabled: bool, device: torch.device | None
+) -> bool:
     """Whether a quantized slot leaf can take the kernel: of a real param, its codes, absmax and map id plain
-    contiguous CPU tensors of the sizes ``storage`` gives for the param."""
+    contiguous tensors of the sizes ``storage`` gives for the param, on the CPU for the C++ kernel (``device``
+    ``None``), else on ``device``, in blocks that the Triton kernel takes."""
     if storage is None or p.dtype not in KERNEL_DTYPES:
+        return False
+    if device is not None and not _triton_kernel.takes_blocks(storage.bits, storage.block):
         return False
     sizes = expected_sizes(p.numel(), storage.bits, storage.block)
     wrapped = _wrapped_check()
@@ -205,7 +210,7 @@ def _quantized_ready(q: QuantizedArray, p: torch.Tensor, storage: Storage | None
             or tensor.dtype is not dtype
             or tensor.dim() != dims
             or tensor.numel() != size
-            or not tensor.is_cpu
+            or not (tensor.is_cpu if device is None else tensor.device == device)
             or not _walkable(tensor, grad_enabled, wrapped)
         ):
             return False
@@ -251,12 +256,13 @@ def refusal(
     if route is None:
         return _no_route(p.device)
     quantized = [slot for slot in slots if type(slot) is QuantizedArray]
-    if quantized and route == "triton":
-        return "quantized state, which the Triton kernel does not generate yet"
     if quantized and p.is_complex():
         return f"quantized state of a {p.dtype} param"
-    if any(not _quantized_ready(q, p, storage, grad_enabled) for q in quantized):
-        return "its quantized state is not laid out as quantize_state lays it out on the CPU"
+    device = None if route == "cpu" else p.device
+    if quantized and device is not None and storage and not _triton_kernel.takes_blocks(storage.bits, storage.block):
+        return f"quantized state in blocks of {storage.block} elements, more than a Triton program holds"
+    if any(not _quantized_ready(q, p, storage, grad_enabled, device) for q in quantized):
+        return f"its quantized state is not laid out as quantize_state lays it out on {p.device}"
     slots = [slot for slot in slots if type(slot) is not QuantizedArray]
     for tensor in (p, u, *slots):
         if type(tensor) not in PLAIN_TYPES:

@@ -24,9 +24,22 @@ of the update beyond their own rounding and the updates within 4 ulps of their l
 takes the pointer table (an int64 tensor of addresses cast with ``.to(tl.pointer_type(...))``) as the GPU does, so
 the tests run the one launch per group that a GPU runs.
 
+Blockwise-quantized slots (``fadam.quantization``, 8 or 4 bits) are decoded, stepped and encoded in the same launch:
+a program then holds whole quantization blocks (``_Layout``: blocks of ``BLOCK`` elements or more one each, smaller
+ones several, one block a row of its tensors, a leaf's ragged last block masked). It decodes each block as
+``dequantize_blockwise`` (its map's value of each code, from the map's values for a block holding an infinity where
+the stored scale is negative, times the scale's magnitude), runs the body, and encodes the new values with the slot's
+map as ``quantize_blockwise`` does, in the same float32 operations on the same tables: each block's scale (its largest
+finite magnitude, negated and at least 2**-126 where it holds an infinity; a maximum, the same in any order),
+``x * (1 / scale)`` (times the map's top below 1 there), NaN as 0, clamped to [-1, 1], then the codec's first guess per
+bfloat16 pattern and its midpoint above (ties to the lower code), 4-bit codes two a byte (low nibble first, a ragged
+block padded with the code of 0); the leaf's first program writes the slot's map id. The stored map ids are copied
+before the launch (``TritonKernel._codec``), since a donated step writes the new ones in place. So the codes, scales
+and map ids equal the eager path's bit for bit wherever the new values do (tested in the interpreter, with ties at
+every midpoint, infinities and NaNs; float32 and bfloat16 params, kept and donated).
+
 ``fadam._execute`` runs it for CUDA leaves (and, under ``fadam.backend("triton")``, for CPU leaves in the
-interpreter), one launch per group of leaves and device. Not yet: quantized slots (``supports`` refuses them; those
-leaves stay on the other backends). No CUDA run has been made: on the GPU, torch.rsqrt is the
+interpreter), one launch per group of leaves and device. No CUDA run has been made: on the GPU, torch.rsqrt is the
 hardware's reciprocal square root, not ``1 / sqrt`` as here and on the CPU, so a body that calls ``o.rsqrt`` is
 expected to differ from CUDA's eager path in the last bits.
 """
@@ -40,7 +53,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,6 +61,8 @@ from fadam._cpu_kernel import (
     _COMPUTED_IN,
     KERNEL_DTYPES,
     Formats,
+    Quantized,
+    _finite_top,
     _node_dtypes,
     _operand_dtype,
     _reachable,
@@ -57,6 +72,7 @@ from fadam._cpu_kernel import (
 from fadam._program import Node, Traced
 
 BLOCK = 1024  # elements per program: 8 per thread of 4 warps
+LARGEST_BLOCK = 1 << 20  # the largest quantization block a program holds: Triton's largest block
 _TL = {"float": "tl.float32", "double": "tl.float64"}  # a computed C type's Triton type
 _POINTEE = {torch.float32: "tl.float32", torch.float64: "tl.float64", torch.bfloat16: "tl.int16"}  # bits in memory
 
@@ -122,6 +138,49 @@ def fadam_mul_add(a, b, c, FMA: tl.constexpr):
 def fadam_lerp(start, end, weight, FMA: tl.constexpr):
     small = tl.abs(weight) < 0.5
     return fadam_mul_add(tl.where(small, weight, weight - 1), end - start, tl.where(small, start, end), FMA)
+
+
+@triton.jit
+def fadam_decode(codes, scale, values, mask):
+    """A block row's values: its codes' entries of ``values`` (the map's row of code_maps, from its entries for a
+    block holding an infinity where the scale is negative) times the scale's magnitude, as dequantize_blockwise."""
+    return tl.load(values + codes, mask=mask, other=0.0) * tl.abs(scale)[:, None]
+
+
+@triton.jit
+def fadam_absmax(x):
+    """Each row's scale, as the codec's row_absmax: its largest finite magnitude, or for a row holding an infinity
+    that raised to at least 2**-126 and negated (a NaN is neither). Reduced by tl.max's own combine function, which
+    Triton's interpreter reduces with numpy (any other element by element), rather than by tl.max, a function of
+    Triton's library that its interpreter runs only where Triton was imported under TRITON_INTERPRET=1; the largest
+    of magnitudes is the same in any order."""
+    magnitude = tl.abs(x)
+    finite = tl.where(magnitude <= 3.4028234663852886e38, magnitude, 0.0)
+    largest = tl.reduce(finite, 1, tl.standard._elementwise_max)
+    infinite = tl.reduce(tl.where(magnitude > 3.4028234663852886e38, 1, 0), 1, tl.standard._elementwise_max) > 0
+    return tl.where(infinite, -tl.maximum(largest, 1.1754943508222875e-38), largest)
+
+
+@triton.jit
+def fadam_codes(x, absmax, top, guesses, thresholds):
+    """The nearest codes of each row of ``x`` for its scale, as the codec's encode_scaled picks them: y = x * (1 /
+    scale) (times ``top``, the map's largest value below 1, in a row holding an infinity), NaN as 0, clamped to
+    [-1, 1]; then its encode tables' two reads (``guesses``, ``thresholds``: the map's rows), a first guess per
+    bfloat16 pattern of y and one more code where y lies above the midpoint over it (ties to the lower code)."""
+    scale = tl.abs(absmax)
+    inverse = tl.div_rn(tl.full(scale.shape, 1, tl.float32), tl.where(scale > 0, scale, 1.0))
+    inverse = tl.where(absmax < 0, inverse * top, inverse)
+    y = x * inverse[:, None]
+    y = tl.where(y != y, 0.0, tl.minimum(tl.maximum(y, -1.0), 1.0))
+    guess = tl.load(guesses + ((y.to(tl.int32, bitcast=True) >> 16) & 0xFFFF)).to(tl.int32)
+    return guess + tl.where(y > tl.load(thresholds + guess), 1, 0)
+
+
+@triton.jit
+def fadam_pack4(codes):
+    """4-bit codes two per byte along each row, the first of a pair in the low nibble."""
+    low, high = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1] // 2, 2)))
+    return (low | (high << 4)).to(tl.uint8)
 '''
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "lt": "<", "gt": ">", "le": "<=", "ge": ">="}
@@ -161,9 +220,18 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or _interpreted()
 
 
+def takes_blocks(bits: int, block: int) -> bool:
+    """Whether this backend generates slots quantized to ``bits`` in blocks of ``block`` elements: 8 or 4 bits, an
+    even block (whose 4-bit codes fill whole bytes) that one program holds (Triton's blocks hold at most 2**20
+    elements, rounded up to a power of two)."""
+    return bits in (8, 4) and 2 <= block <= LARGEST_BLOCK and block % 2 == 0
+
+
 def supports(formats: Formats) -> bool:
-    """Whether this backend takes slots of ``formats``: plain tensors only (quantized slots are not generated yet)."""
-    return all(f is None for f in formats)
+    """Whether this backend takes slots of ``formats``: plain tensors, and quantized ones of one block size that
+    ``takes_blocks`` admits."""
+    quantized = [f for f in formats if f is not None]
+    return len({f.block for f in quantized}) <= 1 and all(takes_blocks(f.bits, f.block) for f in quantized)
 
 
 def _divide(a: str, b: str, ctype: str) -> str:
@@ -198,7 +266,7 @@ class _Scalars:
             self.constants.append(node.value)
         return self._constant_at[node.index]
 
-    def declarations(self, per_leaf: int) -> list[str]:
+    def declarations(self, per_leaf: int, shape: str) -> list[str]:
         lines = []
         first_leaf = self._step_count + len(self.constants)
         for (op, index, ctype, rounds), name in self._names.items():
@@ -210,7 +278,7 @@ class _Scalars:
                 at = f"{first_leaf} + leaf * {per_leaf} + {index}"
             value = f"tl.load(values + {at}).to({_TL[ctype]})"
             value = f"fadam_round_bf16({value})" if rounds else value
-            lines.append(f"{name} = tl.broadcast_to({value}, (BLOCK,))")
+            lines.append(f"{name} = tl.broadcast_to({value}, {shape})")
         return lines
 
 
@@ -247,8 +315,91 @@ def _expression(node: Node, args: list[str], types: dict) -> str:
     raise ValueError(f"no Triton for the operation {node.op}")
 
 
-def _body(traced: Traced, dtypes: tuple[torch.dtype, ...], types: dict, scalars: _Scalars) -> list[str]:
-    """The lines that load a block's inputs, compute the graph's nodes and store its outputs."""
+class _Layout(NamedTuple):
+    """Where a kernel's slots lie in each leaf's row of the pointer table, and how a program holds its elements:
+    ``(BLOCK,)`` of them in a plain kernel; in a quantized one, ``rows`` quantization blocks of ``block`` elements,
+    a row of the program's tensors each, ``columns`` wide (the block rounded up to a power of two)."""
+
+    first_slot: int  # the graph's input of the first slot
+    quantized: dict[int, Quantized]  # slot -> its format
+    block: int
+    rows: int
+    columns: int
+
+    @property
+    def span(self) -> int:
+        """The elements of a leaf that one program holds."""
+        return self.rows * self.block if self.quantized else BLOCK
+
+    @property
+    def shape(self) -> str:
+        return f"({self.rows}, {self.columns})" if self.quantized else "(BLOCK,)"
+
+    def widths(self, count: int, slot_of: Callable[[int], int]) -> list[int]:
+        """The table entries of ``count`` tensors: three for a quantized slot's codes, absmax and map id."""
+        return [3 if slot_of(k) in self.quantized else 1 for k in range(count)]
+
+
+def _layout(traced: Traced, formats: Formats) -> _Layout:
+    slots = len(traced.outputs) - 1
+    quantized = {k: f for k, f in enumerate(formats) if f is not None}
+    block = next(iter(quantized.values())).block if quantized else BLOCK
+    columns = 1 << (block - 1).bit_length()
+    return _Layout(len(traced.graph.inputs) - slots, quantized, block, max(1, BLOCK // columns), columns)
+
+
+def _decode(slot: int, name: str, layout: _Layout) -> list[str]:
+    """Slot ``slot``'s values in the program's blocks from their codes, scales and the leaf's map (``maps_in``: the
+    map ids read before the launch), as ``dequantize_blockwise`` decodes them."""
+    from fadam.quantization._maps import INFINITE
+
+    q = layout.quantized[slot]
+    if q.bits == 8:
+        lines = [f"k{slot} = tl.load(c{slot} + at, mask=mask, other=0).to(tl.int32)"]
+    else:  # two codes a byte, the first in the low nibble
+        lines = [f"k{slot} = tl.load(c{slot} + at // 2, mask=mask, other=0).to(tl.int32)"]
+        lines.append(f"k{slot} = tl.where(at % 2 == 0, k{slot} & 15, k{slot} >> 4)")
+    stored = list(layout.quantized).index(slot)  # where the leaf's map id lies in ``maps_in``
+    return [
+        *lines,
+        f"w{slot} = tl.load(a{slot} + blocks, mask=held, other=0.0)",
+        f"m{slot} = code_maps + tl.load(maps_in + leaf * {len(layout.quantized)} + {stored}).to(tl.int32) * "
+        f"{2 * INFINITE} + tl.where(w{slot} < 0, {INFINITE}, 0)[:, None]",
+        f"{name} = fadam_decode(k{slot}, w{slot}, m{slot}, mask)",
+    ]
+
+
+def _encode(slot: int, name: str, layout: _Layout) -> list[str]:
+    """Stores ``name`` as slot ``slot``'s new blocks, as ``quantize_blockwise`` encodes them with the slot's map:
+    the elements past the leaf's end count as zeros (the codec pads a ragged block so); the leaf's first program
+    writes the map id."""
+    from fadam.quantization._maps import encode_tables
+
+    q = layout.quantized[slot]
+    guesses, thresholds = (table.shape[-1] * q.map_id for table in encode_tables())  # the map's rows
+    lines = [
+        f"x{slot} = tl.where(mask, {name}, 0.0)",
+        f"s{slot} = fadam_absmax(x{slot})",
+        f"e{slot} = fadam_codes(x{slot}, s{slot}, {_finite_top(q.map_id)!r}, guesses + {guesses}, "
+        f"thresholds + {thresholds})",
+    ]
+    if q.bits == 8:
+        lines.append(f"tl.store(oc{slot} + at, e{slot}.to(tl.uint8), mask=mask)")
+    else:
+        half, columns = layout.block // 2, layout.columns // 2
+        inside = f" & (tl.arange(0, {columns}) < {half})[None, :]" if columns != half else ""
+        lines.append(f"b{slot} = blocks[:, None] * {half} + tl.arange(0, {columns})[None, :]")  # its bytes
+        lines.append(f"tl.store(oc{slot} + b{slot}, fadam_pack4(e{slot}), mask=(b{slot} < (size + 1) // 2){inside})")
+    lines.append(f"tl.store(oa{slot} + blocks, s{slot}, mask=held)")
+    lines.append(f"tl.store(om{slot} + blocks * 0, tl.full(({layout.rows},), {q.map_id}, tl.uint8), mask=blocks == 0)")
+    return lines
+
+
+def _body(
+    traced: Traced, dtypes: tuple[torch.dtype, ...], types: dict, scalars: _Scalars, layout: _Layout
+) -> list[str]:
+    """The lines that load (or decode) a block's inputs, compute the graph's nodes and store (or encode) its
+    outputs."""
     graph = traced.graph
     needed = _reachable(traced.outputs)
     slots = len(traced.outputs) - 1
@@ -264,6 +415,9 @@ def _body(traced: Traced, dtypes: tuple[torch.dtype, ...], types: dict, scalars:
         name = names[node.index] = f"v{node.index}"
         if node.op == "input":
             k = graph.inputs.index(node)
+            if k - layout.first_slot in layout.quantized:
+                lines.extend(_decode(k - layout.first_slot, name, layout))
+                continue
             bf16 = dtypes[k] == torch.bfloat16
             load = f"fadam_load_bf16(in{k} + at, mask)" if bf16 else f"tl.load(in{k} + at, mask=mask)"
             lines.append(f"{name} = {load}")
@@ -272,66 +426,152 @@ def _body(traced: Traced, dtypes: tuple[torch.dtype, ...], types: dict, scalars:
         text = _expression(node, args, types)
         lines.append(f"{name} = {f'fadam_round_bf16({text})' if types[node.index] == torch.bfloat16 else text}")
     for k, (out, dtype) in enumerate(zip(traced.outputs, out_dtypes)):
+        if k in layout.quantized:
+            lines.extend(_encode(k, names[out.index], layout))
+            continue
         store = "fadam_store_bf16({}, {}, mask)" if dtype == torch.bfloat16 else "tl.store({}, {}, mask=mask)"
         lines.append(store.format(f"out{k} + at", names[out.index]))
     return lines
 
 
-@functools.lru_cache(maxsize=512)
-def source(traced: Traced, dtypes: tuple[torch.dtype, ...], fma: bool) -> tuple[str, tuple[float, ...]]:
-    """The Triton source of ``traced`` for inputs of ``dtypes`` (in the graph's order; the outputs have their inputs'
-    dtypes, the last one the first input's), and the constants its values tensor holds after the step's scalars.
-    ``fadam_kernel(table, leaves, values, BLOCK, FMA)``: per leaf, ``table`` holds the inputs' and outputs' data
-    pointers, then its size and its first block; after the leaves, each program's leaf."""
-    graph = traced.graph
-    types = _node_dtypes(traced, dtypes)
-    scalars = _Scalars(len(graph.scalars))
-    body = _body(traced, dtypes, types, scalars)
-    n_in, n_out = len(graph.inputs), len(traced.outputs)
-    slots = n_out - 1
-    out_dtypes = [dtypes[n_in - slots + k] for k in range(slots)] + [dtypes[0]]
-    width = n_in + n_out + 2
-    pointers = [f"in{k} = tl.load(row + {k}).to(tl.pointer_type({_POINTEE[d]}))" for k, d in enumerate(dtypes)]
-    pointers += [
-        f"out{k} = tl.load(row + {n_in + k}).to(tl.pointer_type({_POINTEE[d]}))" for k, d in enumerate(out_dtypes)
-    ]
+def _pointers(dtypes: tuple[torch.dtype, ...], out_dtypes: list[torch.dtype], layout: _Layout) -> list[str]:
+    """The lines that read a leaf's pointers from its row of the table: a plain tensor's (``in``, ``out``), a
+    quantized slot's codes and absmax (``c``, ``a``; its map id is read before the launch, into ``maps_in``) and
+    new codes, absmax and map id (``oc``, ``oa``, ``om``)."""
+    lines, at = [], 0
+    for k, dtype in enumerate(dtypes):
+        slot = k - layout.first_slot
+        if slot in layout.quantized:
+            lines.append(f"c{slot} = tl.load(row + {at}).to(tl.pointer_type(tl.uint8))")
+            lines.append(f"a{slot} = tl.load(row + {at + 1}).to(tl.pointer_type(tl.float32))")
+            at += 3
+        else:
+            lines.append(f"in{k} = tl.load(row + {at}).to(tl.pointer_type({_POINTEE[dtype]}))")
+            at += 1
+    for k, dtype in enumerate(out_dtypes):
+        if k in layout.quantized:
+            for prefix, pointee in zip(("oc", "oa", "om"), ("tl.uint8", "tl.float32", "tl.uint8")):
+                lines.append(f"{prefix}{k} = tl.load(row + {at}).to(tl.pointer_type({pointee}))")
+                at += 1
+        else:
+            lines.append(f"out{k} = tl.load(row + {at}).to(tl.pointer_type({_POINTEE[dtype]}))")
+            at += 1
+    return lines
+
+
+def _positions(width: int, layout: _Layout) -> list[str]:
+    """The lines that find the program's leaf and its elements (``at``, within the leaf's ``mask``); in a quantized
+    kernel also its blocks (``blocks``, those of the leaf: ``held``)."""
     lines = [
         "program = tl.program_id(0)",
         f"leaf = tl.load(table + leaves * {width} + program)",
         f"row = table + leaf * {width}",
-        f"at = (program - tl.load(row + {width - 1})) * BLOCK + tl.arange(0, BLOCK)",
-        f"mask = at < tl.load(row + {width - 2})",
-        *pointers,
-        *scalars.declarations(len(graph.leaf_scalars)),
+        f"size = tl.load(row + {width - 2})",
+    ]
+    if not layout.quantized:
+        return [
+            *lines,
+            f"at = (program - tl.load(row + {width - 1})) * BLOCK + tl.arange(0, BLOCK)",
+            "mask = at < size",
+        ]
+    block, columns = layout.block, layout.columns
+    inside = f" & (tl.arange(0, {columns}) < {block})[None, :]" if columns != block else ""
+    return [
+        *lines,
+        f"blocks = (program - tl.load(row + {width - 1})) * {layout.rows} + tl.arange(0, {layout.rows})",
+        f"held = blocks * {block} < size",
+        f"at = blocks[:, None] * {block} + tl.arange(0, {columns})[None, :]",
+        f"mask = (at < size){inside}",
+    ]
+
+
+@functools.lru_cache(maxsize=512)
+def source(
+    traced: Traced, dtypes: tuple[torch.dtype, ...], fma: bool, formats: Formats = ()
+) -> tuple[str, tuple[float, ...]]:
+    """The Triton source of ``traced`` for inputs of ``dtypes`` (in the graph's order; the outputs have their inputs'
+    dtypes, the last one the first input's) and slots of ``formats`` (``fadam._cpu_kernel.source``'s), and the
+    constants its values tensor holds after the step's scalars. ``fadam_kernel(table, leaves, values, BLOCK, FMA)``:
+    per leaf, ``table`` holds the inputs' and outputs' data pointers (three for a quantized slot: codes, absmax, map
+    id), then its size and its first program; after the leaves, each program's leaf. With quantized slots it also
+    takes ``maps_in`` (each leaf's stored map ids, slot after slot), ``code_maps`` and the encode tables
+    (``fadam.quantization._maps``), after ``values``."""
+    graph = traced.graph
+    types = _node_dtypes(traced, dtypes)
+    layout = _layout(traced, formats)
+    scalars = _Scalars(len(graph.scalars))
+    body = _body(traced, dtypes, types, scalars, layout)
+    n_in, n_out = len(graph.inputs), len(traced.outputs)
+    out_dtypes = [dtypes[layout.first_slot + k] for k in range(n_out - 1)] + [dtypes[0]]
+    widths = layout.widths(n_in, lambda k: k - layout.first_slot) + layout.widths(n_out, lambda k: k)
+    width = sum(widths) + 2
+    lines = [
+        *_positions(width, layout),
+        *_pointers(dtypes, out_dtypes, layout),
+        *scalars.declarations(len(graph.leaf_scalars), layout.shape),
         *body,
     ]
     text = "\n    ".join(lines)
+    codec = "maps_in, code_maps, guesses, thresholds, " if layout.quantized else ""
     kernel = f"""
 
 @triton.jit
-def fadam_kernel(table, leaves, values, BLOCK: tl.constexpr, FMA: tl.constexpr):
+def fadam_kernel(table, leaves, values, {codec}BLOCK: tl.constexpr, FMA: tl.constexpr):
     {text}
 """
     return _PRELUDE + kernel, tuple(scalars.constants)
 
 
 class TritonKernel:
-    """A generated segment: ``run`` launches it on a group of leaves."""
+    """A generated segment: ``run`` launches it on a group of leaves, ``span`` elements of a leaf per program;
+    ``stored_maps``: where each quantized slot's map id lies in a leaf's row (none in a plain kernel)."""
 
-    def __init__(self, function: Callable[..., Any], constants: tuple[float, ...], fma: bool, per_leaf: int) -> None:
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        constants: tuple[float, ...],
+        fma: bool,
+        per_leaf: int,
+        span: int = BLOCK,
+        stored_maps: tuple[int, ...] = (),
+    ) -> None:
         self._function = function
         self._constants = list(constants)
         self._fma = fma
         self._per_leaf = per_leaf
+        self._span = span
+        self._stored_maps = stored_maps
+
+    def _codec(self, leaves: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """A quantized kernel's codec arguments: the leaves' stored map ids, copied before the launch (a donated
+        step writes the new ones in place while other programs of the leaf decode), checked, and the map and encode
+        tables on their device. An unknown map id is refused before anything is written: on the CPU by an error
+        here, on a GPU by a device-side assert (``torch._assert_async``) ahead of the launch, without a host sync."""
+        if not self._stored_maps or not leaves:
+            return []
+        from fadam.quantization._maps import MAP_IDS, tables_on
+
+        stored = torch.stack([row[k] for row in leaves for k in self._stored_maps])
+        known = (stored < len(MAP_IDS)).all()
+        message = "quantized state names an unknown map (map_id); nothing was written"
+        if stored.is_cpu and not bool(known):
+            raise ValueError(message)
+        if not stored.is_cpu:
+            torch._assert_async(known, message)
+        maps, guesses, thresholds, _ = tables_on(stored.device)
+        return [stored, maps, guesses, thresholds]
 
     def run(self, leaves: list[list[torch.Tensor]], scalars: list[float], leaf_scalars: list[float]) -> None:
         """Runs on ``leaves`` (per leaf: the inputs, then the outputs, contiguous, on one device, of the kernel's
         dtypes), with ``leaf_scalars`` holding each leaf's own scalars in turn: ``fadam._cpu_kernel.Kernel.run``'s
-        arguments. Two small host-to-device copies (the table, the values) and one launch."""
+        arguments. Two small host-to-device copies (the table, the values) and one launch (with quantized slots,
+        a copy of their map ids first: ``_codec``)."""
         if len(leaf_scalars) != self._per_leaf * len(leaves):
             raise ValueError(f"expected {self._per_leaf} scalars per leaf, got {len(leaf_scalars)} for {len(leaves)}")
+        codec = self._codec(leaves)
         sizes = [row[0].numel() for row in leaves]
-        blocks = [-(-size // BLOCK) for size in sizes]
+        least = 1 if codec else 0  # a leaf's first program writes its map ids: an empty leaf's too
+        blocks = [max(least, -(-size // self._span)) for size in sizes]
         total = sum(blocks)
         if total == 0:
             return
@@ -349,6 +589,7 @@ class TritonKernel:
             packed,
             len(leaves),
             values.to(device, non_blocking=True),
+            *codec,
             BLOCK=BLOCK,
             FMA=self._fma,
             enable_fp_fusion=False,  # every operation rounds once, as torch's separate kernels do
@@ -372,18 +613,26 @@ def _import(text: str) -> ModuleType:
 
 
 @functools.lru_cache(maxsize=512)
-def _load(traced: Traced, dtypes: tuple[torch.dtype, ...], fma: bool, interpreted: bool) -> TritonKernel:
-    text, constants = source(traced, dtypes, fma)
+def _load(
+    traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats, fma: bool, interpreted: bool
+) -> TritonKernel:
+    text, constants = source(traced, dtypes, fma, formats)
     module = _import(text)  # decorated for the interpreter or the GPU as ``interpreted`` says, and kept so
-    return TritonKernel(module.fadam_kernel, constants, fma, len(traced.graph.leaf_scalars))
+    layout = _layout(traced, formats)
+    starts = [0]
+    for width in layout.widths(len(traced.graph.inputs), lambda k: k - layout.first_slot):
+        starts.append(starts[-1] + width)
+    stored_maps = tuple(starts[layout.first_slot + slot] + 2 for slot in layout.quantized)
+    return TritonKernel(module.fadam_kernel, constants, fma, len(traced.graph.leaf_scalars), layout.span, stored_maps)
 
 
 def load(
     traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (), fma: bool = True
 ) -> TritonKernel | None:
-    """The Triton kernel of ``traced`` for inputs of ``dtypes`` (``fadam._cpu_kernel.load``'s arguments), or ``None``
-    where this backend does not take them (quantized slots, another dtype) or Triton is not installed. ``fma``: whether
-    torch.lerp, torch.addcmul and torch.add's alpha round once, as ATen's CUDA kernels compute them."""
+    """The Triton kernel of ``traced`` for inputs of ``dtypes`` and slots of ``formats`` (``fadam._cpu_kernel.load``'s
+    arguments), or ``None`` where this backend does not take them (``supports``, another dtype) or Triton is not
+    installed. ``fma``: whether torch.lerp, torch.addcmul and torch.add's alpha round once, as ATen's CUDA kernels
+    compute them."""
     if not supports(formats) or any(d not in KERNEL_DTYPES for d in dtypes) or not installed():
         return None
-    return _load(traced, dtypes, fma, _interpreted())
+    return _load(traced, dtypes, formats, fma, _interpreted())

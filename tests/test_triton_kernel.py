@@ -17,6 +17,7 @@ import fadam
 from fadam._cpu_kernel import Quantized, cache_dir
 from fadam._execute import segments
 from fadam._program import EagerOps, program_of, trace
+from fadam.quantization._maps import MAP_IDS, encode_tables
 
 pytest.importorskip("triton")
 
@@ -93,10 +94,10 @@ def _eager(tx, params, grads, state):
     return updates, fadam.apply_updates(params, updates), state
 
 
-def _kernel(tx, params, grads, state, applies: bool, kernel_runs: list[int] | None = None):
-    """``tx``'s updates (``applies``: its new params, by ``fadam.step``) and new state on the Triton backend, as
-    ``fadam._execute`` runs it: per segment, one launch over every leaf (each launch's leaf count goes to
-    ``kernel_runs``)."""
+def _kernel(tx, params, grads, state, applies: bool, kernel_runs: list[int] | None = None, donate: bool = False):
+    """``tx``'s updates (``applies``: its new params, by ``fadam.step``, donating them and the state where
+    ``donate``) and new state on the Triton backend, as ``fadam._execute`` runs it: per segment, one launch over every
+    leaf (each launch's leaf count goes to ``kernel_runs``)."""
     run = _triton_kernel.TritonKernel.run
 
     def counted(kernel, rows, scalars, leaf_scalars):
@@ -106,7 +107,7 @@ def _kernel(tx, params, grads, state, applies: bool, kernel_runs: list[int] | No
 
     with pytest.MonkeyPatch.context() as patch, fadam.backend("triton"):
         patch.setattr(_triton_kernel.TritonKernel, "run", counted)
-        return fadam.step(tx, params, grads, state) if applies else tx.update(grads, state, params)
+        return fadam.step(tx, params, grads, state, donate=donate) if applies else tx.update(grads, state, params)
 
 
 _INTEGERS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
@@ -279,12 +280,17 @@ def test_kernels_are_written_under_fadam_cache_dir():
     assert text in [path.read_text() for path in written]
 
 
-def test_quantized_slots_and_other_dtypes_are_refused():
+def test_formats_and_dtypes_the_kernel_does_not_generate_are_refused():
     traced = trace(tuple(s.decl for s in program_of(PROGRAMS["adam"]()).stages), True)
     dtypes = (torch.float32,) * len(traced.graph.inputs)
     assert _triton_kernel.supports((None, None))
-    assert not _triton_kernel.supports((Quantized(8, 256, 0), None))
-    assert _triton_kernel.load(traced, dtypes, (Quantized(8, 256, 0), None)) is None
+    assert _triton_kernel.supports((Quantized(8, 256, 0), Quantized(8, 256, 1)))
+    assert _triton_kernel.supports((Quantized(4, 6, 2), None))  # a block of any even size
+    assert not _triton_kernel.supports((Quantized(8, 256, 0), Quantized(8, 128, 1)))  # one block size a kernel
+    assert not _triton_kernel.supports((Quantized(2, 256, 0), None))
+    assert not _triton_kernel.supports((Quantized(4, 7, 2), None))  # 4-bit codes of a block fill whole bytes
+    assert not _triton_kernel.supports((Quantized(8, _triton_kernel.LARGEST_BLOCK + 2, 0), None))
+    assert _triton_kernel.load(traced, dtypes, (Quantized(8, 255, 0), None)) is None
     assert _triton_kernel.load(traced, (torch.float16,) * len(dtypes)) is None
     assert _triton_kernel.load(traced, dtypes, (None, None)) is not None
 
@@ -300,15 +306,20 @@ def test_a_leaf_scalar_count_that_does_not_match_the_leaves_is_refused():
 
 
 def test_explain_names_the_triton_kernel_and_why_a_leaf_stays_eager():
-    params = {"big": torch.randn(5000), "small": torch.randn(8)}
-    tx = fadam.lion8bit(1e-3)  # "big" gets 8-bit moments, which the Triton kernel does not generate yet
+    params = {"big": torch.randn(5000), "small": torch.randn(8), "half": torch.randn(8, dtype=torch.float16)}
+    tx = fadam.lion8bit(1e-3)  # "big" gets 8-bit moments, "small" full-precision ones: one kernel each
     with fadam.backend("triton"):
         found = fadam.explain(tx, params)
+        huge = fadam.quantize_state(fadam.scale_by_lion(), block_size=_triton_kernel.LARGEST_BLOCK + 2, min_size=0)
+        too_large = fadam.explain(huge, {"w": torch.randn(8)})
     assert found.splitlines() == [
-        "scale_by_lion -> scale_by_learning_rate: eager: quantized state, which the Triton kernel does not generate"
-        " yet: ['big']",
-        "scale_by_lion -> scale_by_learning_rate: generated Triton kernel: ['small']",
+        "scale_by_lion -> scale_by_learning_rate: eager: torch.float16 (the kernel takes float32, float64 and"
+        " bfloat16): ['half']",
+        "scale_by_lion -> scale_by_learning_rate: generated Triton kernel: ['big'], ['small']",
     ]
+    assert too_large == (
+        "scale_by_lion: eager: quantized state in blocks of 1048578 elements, more than a Triton program holds: ['w']"
+    )
 
 
 def test_without_the_interpreter_cpu_leaves_run_eagerly_on_the_triton_backend(monkeypatch):
@@ -338,3 +349,100 @@ def test_a_partition_runs_each_branch_in_one_launch_and_equals_the_eager_path():
         assert max(found.values()) == 0, f"step {step}: {found}"
         _, params, state = _eager(tx, params, grads, state)
     assert launches == [2] * 8  # each step's update and step: per branch, one launch for its two leaves
+
+
+QUANTIZED = {
+    "adamw8bit": lambda: fadam.adamw8bit(1e-2, weight_decay=0.1, min_size=0),
+    "lion8bit": lambda: fadam.lion8bit(1e-3, weight_decay=0.1, min_size=0),
+    "adam4bit": lambda: fadam.adam4bit(1e-2, min_size=0),
+    "sgd8bit": lambda: fadam.sgd8bit(1e-2, momentum=0.9, nesterov=True, min_size=0),
+    "trace-rms-4bit-block-6": lambda: fadam.chain(  # a block that is not a power of two
+        fadam.quantize_state(fadam.chain(fadam.trace(0.9), fadam.scale_by_rms()), bits=4, block_size=6, min_size=0),
+        _lr(1e-2),
+    ),
+}
+
+
+def _quantized_params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Two leaves in one launch, both quantized (``min_size=0``): one of several blocks with a ragged last one, one
+    smaller than a block. float32 ones of odd sizes (at 4 bits, a last byte holding one code); bfloat16 ones whole
+    vectors of ATen's loops (``_params``)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = {"big": (3, 101), "small": (11,)} if dtype == torch.float32 else {"big": (5, 64), "small": (32,)}
+    return {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in sizes.items()}
+
+
+def _quantized(state) -> list[fadam.QuantizedArray]:
+    return [q for q in optree.tree_leaves(state, is_leaf=_is_quantized) if _is_quantized(q)]
+
+
+def _is_quantized(node) -> bool:
+    return type(node) is fadam.QuantizedArray
+
+
+def _side_by_side(tx, params, state, grads: list[dict[str, torch.Tensor]]):
+    """A step per entry of ``grads`` on the eager path and on the Triton backend from the same start (the kernel's
+    steps kept, then donated, in turn), the params and the state (codes, absmax, map ids) asserted equal bit for bit
+    after each, with one launch a step for all the leaves; the eager path's last params and state."""
+    eager = (params, state)
+    kernel = optree.tree_map(torch.clone, eager)
+    launches: list[int] = []
+    for step, given in enumerate(grads):
+        with fadam.backend("eager"):
+            eager = fadam.step(tx, eager[0], given, eager[1])
+        kernel = _kernel(tx, kernel[0], given, kernel[1], True, launches, donate=step % 2 == 1)
+        found = _largest_ulps(kernel, eager, "")
+        assert max(found.values()) == 0, f"step {step}: {found}"
+    assert launches == [len(params)] * len(grads)
+    return eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_state_steps_equal_the_eager_path_bit_for_bit(name, dtype, ieee_sqrt):
+    """The kernel decodes its quantized slots' blocks, runs the body and encodes the new blocks with each slot's map
+    as the eager path's codec does: params, codes, scales and map ids bit for bit."""
+    tx = QUANTIZED[name]()
+    params = _quantized_params(dtype)
+    state = tx.init(params)
+    assert len(_quantized(state)) >= len(params)
+    _side_by_side(tx, params, state, [_grads(params, seed=step) for step in range(2)])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's NaN from inf - inf
+@pytest.mark.parametrize("name", ["adamw8bit", "adam4bit"])
+def test_quantized_state_meets_inf_nan_and_signed_zeros_as_the_eager_path(name, ieee_sqrt):
+    """An infinity sets its block's negated scale and a NaN is stored as 0, in the kernel as in the codec."""
+    tx = QUANTIZED[name]()
+    params = _quantized_params(torch.float32)
+    with fadam.backend("eager"):
+        params, state = fadam.step(tx, params, _grads(params, seed=0), tx.init(params))
+    params, state = _side_by_side(tx, params, state, [_edge_grads(params)])
+    assert any(bool((q.absmax < 0).any()) for q in _quantized(state))  # a block holding an infinity was met
+
+
+def test_an_unknown_map_id_is_refused_before_anything_changes():
+    tx = QUANTIZED["adamw8bit"]()
+    params = _quantized_params(torch.float32)
+    state = tx.init(params)
+    state[0].inner_state.mu["small"].map_id.fill_(9)
+    before = optree.tree_map(torch.clone, (params, state))
+    with pytest.raises(ValueError, match="unknown map"):
+        _kernel(tx, params, _grads(params, seed=0), state, True, donate=True)
+    assert max(_largest_ulps((params, state), before, "").values()) == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_values_at_the_midpoints_between_codes_take_the_codecs_codes(bits):
+    """A momentum's first step stores the gradient itself: in blocks of absmax 1, at every midpoint between two of
+    the signed map's codes (in one block) and at their negatives (in the other), each tie takes the codec's code (the
+    lower one)."""
+    block = 256
+    tx = fadam.chain(fadam.quantize_state(fadam.trace(0.9), bits=bits, block_size=block, min_size=0), _lr(1e-2))
+    midpoints = encode_tables()[1][MAP_IDS[f"dynamic{bits}_signed"]]
+    midpoints = torch.cat([torch.ones(1), midpoints[midpoints.isfinite()]])
+    half = torch.nn.functional.pad(midpoints, (0, block - midpoints.numel()))
+    grads = {"w": torch.cat([half, -half])}
+    params = {"w": torch.zeros_like(grads["w"])}
+    _, state = _side_by_side(tx, params, tx.init(params), [grads])
+    assert torch.equal(_quantized(state)[0].absmax, torch.ones(2))
