@@ -191,12 +191,14 @@ def test_vmap_keeps_each_members_infinities(bits):
     assert torch.equal(q.absmax[1], quantize_blockwise(stacked[1], bits, 128).absmax)
 
 
-@pytest.mark.parametrize("shape", [(64, 128), (8192,), (), (3, 0, 2)])
-def test_a_quantized_array_keeps_its_shape_as_an_empty_tensor(shape):
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(64, 128), (8192,), (), (3, 0, 2), (0,)])
+def test_a_quantized_array_keeps_its_shape_as_an_empty_tensor(shape, bits):
     x = torch.randn(shape)
-    q = quantize_blockwise(x)
+    q = quantize_blockwise(x, bits)
     assert q.shape == x.shape and q.like.numel() == 0 and q.like.shape == (*shape, 0)
-    assert dequantize_blockwise(q).shape == x.shape
+    y = dequantize_blockwise(q, bits=bits)
+    assert y.shape == x.shape and y.dtype == torch.float32
 
 
 def test_dequantizing_as_another_shape_is_refused():

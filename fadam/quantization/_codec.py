@@ -117,7 +117,8 @@ def encode_rows(
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.to(torch.int32)
     if bits == 4:
-        codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
+        # the width named: -1 is ambiguous for a tensor of no rows
+        codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
     return codes
 
 
