@@ -240,8 +240,25 @@ def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
     params = [torch.zeros(100), torch.zeros(100), torch.zeros(5000), torch.zeros(100)]
     state = fadam.page_state(fadam.adam(), chunk_bytes=2000, per_leaf=True).init(params)
     assert [c.tolist() for c in state.chunks] == [[0, 1], [2], [3]]
-    whole = fadam.page_state(fadam.adam(), chunk_bytes=2000).init(params)
+    whole = fadam.page_state(fadam.adam(), chunk_bytes=2000, per_leaf=False).init(params)
     assert [c.tolist() for c in whole.chunks] == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize(
+    ("make", "chunks"),
+    [
+        (lambda: fadam.adamw(1e-2), [[0, 1], [2], [3]]),
+        (lambda: fadam.lion8bit(1e-3, min_size=0), [[0, 1], [2], [3]]),
+        (lambda: fadam.lamb(1e-2), [[0, 1], [2], [3]]),  # its trust ratio reduces over a leaf only
+        (lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.adamw(1e-2)), [[0, 1, 2, 3]]),
+        (lambda: fadam.masked(fadam.adam(1e-2), lambda p: [True] * len(p)), [[0, 1, 2, 3]]),
+        (lambda: fadam.inject_hyperparams(fadam.adam)(lr=1e-2), [[0, 1, 2, 3]]),
+        (lambda: fadam.adafactor(), [[0, 1, 2, 3]]),  # not declared
+    ],
+)
+def test_by_default_chunks_hold_leaves_where_the_declaration_shows_no_coupling(make, chunks):
+    params = [torch.zeros(100), torch.zeros(100), torch.zeros(5000), torch.zeros(100)]
+    assert [c.tolist() for c in fadam.page_state(make(), chunk_bytes=2000).init(params).chunks] == chunks
 
 
 def _reads(state) -> list[torch.Tensor]:
@@ -340,7 +357,7 @@ def test_a_donated_host_state_is_updated_in_its_own_buffers():
 
 def test_one_chunk_needs_params_on_one_device():
     with pytest.raises(ValueError, match="needs params on one device"):
-        fadam.page_state(fadam.adam()).init([torch.zeros(2), torch.zeros(2, device="meta")])
+        fadam.page_state(fadam.adam(), per_leaf=False).init([torch.zeros(2), torch.zeros(2, device="meta")])
 
 
 def test_dtensor_state_is_stored_as_local_shards_and_streams_in_as_dtensors(tmp_path: Path) -> None:

@@ -194,7 +194,7 @@ def _first_difference(found: dict, expected: dict) -> str:
     if len(chunks_found) != len(chunks_expected):
         return (
             f"it has {len(chunks_found)} chunks, this model and optimizer make {len(chunks_expected)} "
-            "(same params, inner transform and chunk_bytes?)"
+            "(same params, inner transform, chunk_bytes and per_leaf?)"
         )
     for k, (a, b) in enumerate(zip(chunks_found, chunks_expected)):
         if a["params"] != b["params"]:
@@ -319,13 +319,24 @@ def _refuse_functorch(leaves: list[Any], where: str) -> None:
         )
 
 
+def leafwise(tx: GradientTransformation) -> bool:
+    """Whether ``tx``'s update of a param leaf reads no other leaf, as its declaration shows: every member declares
+    per-element math (``fadam._program.Elementwise``) without a reduction over several leaves (``reduce``; a leaf's
+    own, ``reduce_leaf``, is fine) and selects no leaves by a mask, which may be given as a tree of the params. An
+    opaque member, or one that builds its inner transform at each step (``inject_hyperparams``), may look anywhere."""
+    program = getattr(tx.update, "program", None)
+    return program is not None and all(
+        stage.decl is not None and stage.decl.reduce is None and not stage.selections for stage in program.stages
+    )
+
+
 def page_state(
     inner: GradientTransformation,
     storage: Literal["host", "disk"] = "host",
     path: str | os.PathLike | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
-    per_leaf: bool = False,
+    per_leaf: bool | None = None,
     resume: bool = False,
     durable: bool = False,
 ) -> GradientTransformation:
@@ -342,9 +353,11 @@ def page_state(
     ``chunk_bytes`` of inner state each, and ``inner`` runs on each chunk separately, with its own state (its params
     are a list of that chunk's leaves, so a mask given as a tree shaped like the params needs ``per_leaf=False``; a
     callable mask works either way). This is exact only for transforms whose update of one param leaf never looks at
-    another (Adam, AdamW, SGD, quantized state): declare it with ``per_leaf=True``. Anything that couples leaves
-    (``clip_by_global_norm``, a global norm) must use the default ``per_leaf=False``: the whole state is one chunk,
-    streamed in, updated once, streamed out; still bit-identical, but all of it is on the device during the update.
+    another (Adam, AdamW, SGD, quantized state). Anything that couples leaves (``clip_by_global_norm``, a global norm)
+    needs ``per_leaf=False``: the whole state is one chunk, streamed in, updated once, streamed out; still
+    bit-identical, but all of it is on the device during the update. The default, ``None``, decides from ``inner``'s
+    declaration (``leafwise``): chunks of leaves where every member of ``inner`` declares per-element math with no
+    reduction across leaves and no mask, one chunk otherwise (an opaque transform, ``inject_hyperparams``, a mask).
     A single leaf is never split. At most two chunks of state are materialized at once: the one being updated and
     the next one, whose copy runs while the current one computes (on CUDA on a side stream from page-locked memory;
     from disk the kernel reads the next chunk ahead).
@@ -393,14 +406,15 @@ def page_state(
         path: the state file for ``"disk"``; ``None``: a new file in the temp directory per ``init``, removed once
             no state refers to it.
         chunk_bytes: target bytes of inner state per chunk (``per_leaf=True`` only).
-        per_leaf: ``inner`` treats each param leaf independently, so it may run chunk by chunk.
+        per_leaf: ``inner`` treats each param leaf independently, so it may run chunk by chunk; ``None``: as
+            ``inner``'s declaration says (``leafwise``).
         resume: ``init`` reopens the existing file at ``path`` instead of creating it.
         durable: ``fsync`` the file before each commit.
 
     Example:
         >>> import torch, fadam
         >>> params = {"w": torch.tensor([1.0, -1.0])}
-        >>> tx = fadam.page_state(fadam.adam(lr=0.1), per_leaf=True)
+        >>> tx = fadam.page_state(fadam.adam(lr=0.1))  # chunks of leaves: Adam steps each leaf on its own
         >>> state = tx.init(params)
         >>> updates, state = tx.update({"w": torch.tensor([0.5, -0.5])}, state, params)
         >>> fadam.apply_updates(params, updates)["w"]
@@ -419,6 +433,8 @@ def page_state(
     if path is None and resume:
         raise ValueError("resume=True needs the path of the state file")
     given_path = os.fspath(path) if path is not None else None
+    if per_leaf is None:
+        per_leaf = leafwise(inner)
 
     layouts = _Layouts()
     held = _HeldFile()
