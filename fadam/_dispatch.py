@@ -88,7 +88,7 @@ def first_overlap(params: Any, grads: Any, state: Any) -> tuple[tuple[int, int],
     # one comprehension for the common case, where every pointer is a different storage's
     pointers = [
         leaf.untyped_storage().data_ptr()
-        if type(leaf) in PLAIN_TYPES and leaf.layout == torch.strided and not in_transform
+        if type(leaf) in PLAIN_TYPES and leaf.layout is torch.strided and not in_transform
         else _storage_pointer(leaf)
         for leaves in trees
         for leaf in leaves

@@ -218,25 +218,30 @@ def _quantized_ready(
 
 
 _TORCH_KERNEL_DEVICES = ("cpu", "cuda")
+# the leaf dtypes whose reals torch's fused kernels take (a complex leaf runs as its real view)
+_TORCH_KERNEL_LEAF_DTYPES = frozenset({*FUSED_DTYPES, torch.complex32, torch.complex64, torch.complex128})
 
 
 def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool) -> bool:
     """Whether a leaf can take one of torch's fused kernels (``fadam._torch_kernels``): the param, its update and its
     slots plain contiguous tensors of one dtype that the kernels take, on one CPU or CUDA device, that autograd does not
     record. The kernels walk each leaf's tensors as flat arrays of one layout, so a strided view would be written past
-    its elements."""
+    its elements. (``_walkable``'s conditions, written out: this runs for every leaf of every step.)"""
     if u is None:
         return False
     dtype, device = p.dtype, p.device
-    if device.type not in _TORCH_KERNEL_DEVICES or real_view(p).dtype not in FUSED_DTYPES:
+    if dtype not in _TORCH_KERNEL_LEAF_DTYPES or device.type not in _TORCH_KERNEL_DEVICES:
         return False
     wrapped, on_cpu = _wrapped_check(), device.type == "cpu"
     for tensor in (*slots, p, u):  # slots first: a quantized one is refused at once
         if (
-            not isinstance(tensor, torch.Tensor)
+            type(tensor) not in PLAIN_TYPES
             or tensor.dtype is not dtype
+            or tensor.layout is not torch.strided
+            or (grad_enabled and tensor.requires_grad)
+            or not tensor.is_contiguous()
             or (not tensor.is_cpu if on_cpu else tensor.device != device)
-            or not _walkable(tensor, grad_enabled, wrapped)
+            or (wrapped is not None and wrapped(tensor))
         ):
             return False
     return True
@@ -312,11 +317,13 @@ class _StageLeaves(NamedTuple):
     spec: Any  # the slots' tree structure
 
 
-def _stage_leaves(program: Program, state: Any, params: PyTree, spec: Any) -> dict[tuple, _StageLeaves] | None:
+def _stage_leaves(
+    program: Program, state: Any, params: PyTree, param_leaves: list[Any], spec: Any
+) -> dict[tuple, _StageLeaves] | None:
     """Each declared stage's leaves, or ``None`` where a state is not laid out as its stage's ``init`` lays it out
-    (another type, an OrderedDict of the params' dict...): the eager path then matches it or names the problem."""
+    (another type, an OrderedDict of the params' dict...): the eager path then matches it or names the problem.
+    ``param_leaves``: the leaves of ``params`` in the order of ``spec``."""
     found = {}
-    param_leaves = spec.flatten_up_to(params)
     everything = [True] * len(param_leaves)
     every_position: list[int | None] = list(range(len(param_leaves)))
     for stage in program.stages:
@@ -433,11 +440,12 @@ def _run(
             if any(s.decl is not None and s.decl.uses_params for s in program.stages):
                 return None  # the transform's own update names what is missing
             param_leaves = [None] * len(grad_leaves)
-        stage_leaves = _stage_leaves(program, state, grads if params is None else params, spec)
+        reference_leaves = grad_leaves if params is None else param_leaves
+        stage_leaves = _stage_leaves(program, state, grads if params is None else params, reference_leaves, spec)
         into_leaves = None
         if into is not None:
             # the expanded program's paths name the same places in an unexpanded state, whose layout ``into`` has
-            into_leaves = _stage_leaves(program, into, params, spec)
+            into_leaves = _stage_leaves(program, into, params, param_leaves, spec)
             if into_leaves is None:
                 return None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError):
@@ -835,7 +843,7 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     paths = tree_paths(params)
     grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads", sparse=True)
     check_sparse(program, grad_leaves, spec, params, what="grads")  # the step would refuse them
-    leaves = _stage_leaves(program, state, params, spec)
+    leaves = _stage_leaves(program, state, params, param_leaves, spec)
     if leaves is None:
         return "\n".join([*lines, "eager: the state is not laid out as the transform's init lays it out"])
     grad_enabled = torch.is_grad_enabled()

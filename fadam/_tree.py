@@ -15,7 +15,7 @@ import optree
 import torch
 from torch._C import _functorch
 
-from fadam._dispatch import is_dtensor, is_sparse, real_view
+from fadam._dispatch import is_dtensor, real_view
 from fadam._numerics import dtype_for, safe_sqrt
 
 PyTree = Any
@@ -291,12 +291,12 @@ def _checked(
 def _leaf_problem(leaf: Any, ref: Any, like_what: str, sparse: bool = False) -> str | None:
     if not isinstance(leaf, torch.Tensor):
         return f"expected a torch.Tensor or None, got {type(leaf).__name__}"
-    if sparse and is_sparse(leaf):
+    if leaf.layout is not torch.strided:
+        if not (sparse and leaf.is_sparse):
+            return f"sparse or non-strided tensors ({leaf.layout}) are not supported; densify the gradient first"
         problem = _sparse_problem(leaf, ref, like_what)
         if problem:
             return problem
-    elif leaf.layout != torch.strided:
-        return f"sparse or non-strided tensors ({leaf.layout}) are not supported; densify the gradient first"
     if leaf.dtype not in _OPTIMIZABLE:
         return f"dtype {leaf.dtype} is not supported: gradients and updates must be floating-point or complex"
     if isinstance(ref, torch.Tensor):
