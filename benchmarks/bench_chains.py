@@ -109,11 +109,9 @@ def fadam_txs(disk_dir: Path) -> dict[str, Callable[[], fadam.GradientTransforma
         "6 adamw8bit": lambda: fadam.adamw8bit(1e-3, weight_decay=1e-2),
         "6 lion8bit": lambda: fadam.lion8bit(1e-4, weight_decay=1e-2),
         "7 adam update+apply": lambda: fadam.adam(1e-3),
-        # per_leaf=True as in fadam.paged_adamw: AdamW treats each leaf on its own, so it streams chunk by chunk
-        "8 page_state host": lambda: fadam.page_state(fadam.adamw(1e-3), storage="host", per_leaf=True),
-        "8 page_state disk": lambda: fadam.page_state(
-            fadam.adamw(1e-3), storage="disk", path=disk_dir / "adamw.state", per_leaf=True
-        ),
+        # AdamW's declaration shows that it treats each leaf on its own, so by default it streams chunk by chunk
+        "8 page_state host": lambda: fadam.page_state(fadam.adamw(1e-3), storage="host"),
+        "8 page_state disk": lambda: fadam.page_state(fadam.adamw(1e-3), storage="disk", path=disk_dir / "adamw.state"),
         "8 paged_adamw8bit": lambda: fadam.paged_adamw8bit(1e-3, weight_decay=1e-2),
     }
 
