@@ -9,8 +9,11 @@ printed also goes to ``$OUT/gpu.txt`` when ``OUT`` is set. Parts:
    its), on ``fadam.backend("kernel")`` (the generated kernel: Triton's on CUDA) and ``fadam.backend("triton")``
    against ``fadam.backend("eager")``: the largest difference in units of the eager result's last place, and the
    backend ``fadam.explain`` names on ``"triton"``;
-2. *syncs*: the same steps under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host sync;
-3. *graphs*: a donated step captured in a CUDA graph and replayed, against eager steps;
+2. *syncs*: the same steps under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host sync, and
+   the steps of ``fadam.capturable(clip+adamw)`` and of AdamW through ``fadam.Optimizer(capturable=True)``;
+3. *graphs*: a donated step captured in a CUDA graph and replayed, against eager steps: each chain as it is, then
+   ``fadam.capturable(clip+adamw)``, AdamW through ``fadam.Optimizer(capturable=True)`` (a tensor lr on the GPU) and
+   ``torch.optim.AdamW(capturable=True)`` for comparison;
 4. *times*: median step time over interleaved rounds (CUDA events) as a ratio to ``torch.optim.AdamW(fused=True)``,
    on 1 tensor of 100M elements and on a GPT-2-sized model (124M params in 148 tensors), with bitsandbytes' 8-bit
    AdamW where it imports.
@@ -99,6 +102,46 @@ def kernels(device: torch.device, small: bool) -> None:
             say(f"  {name:13} {dtype!s:15} {', '.join(found):27} triton backend: {'; '.join(taken)}")
 
 
+def capturable_chains() -> dict[str, Callable[[], fadam.GradientTransformation]]:
+    """The chains whose steps are checked for syncs and captured with their state on the GPU."""
+    return {"capturable clip+adamw": lambda: fadam.capturable(chains()["clip+adamw"]())}
+
+
+def _optimizer(
+    make: Callable[..., torch.optim.Optimizer], params: list, grads: list, capturable: bool
+) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """An AdamW optimizer (``make``: ``fadam.Optimizer`` over ``fadam.adamw``, or ``torch.optim.AdamW``) over copies of
+    ``params`` holding ``grads``, and the copies; with ``capturable``, its lr a tensor on their device, as torch.optim's
+    capturable mode takes one that a scheduler changes."""
+    tensors = [p.clone() for p in params]
+    for p, g in zip(tensors, grads):
+        p.grad = g
+    lr = torch.tensor(1e-3, device=params[0].device) if capturable else 1e-3
+    return make(tensors, lr=lr, weight_decay=1e-2, capturable=capturable), tensors
+
+
+def _fadam_adamw(tensors: list, **options: object) -> torch.optim.Optimizer:
+    return fadam.Optimizer(tensors, fadam.adamw, **options)
+
+
+def _synced(name: str, run: Callable[[], None]) -> None:
+    """Runs ``run`` once (kernels load), then once under ``set_sync_debug_mode("error")``; says whether it synced."""
+    try:
+        run()
+        torch.cuda.synchronize()
+    except Exception as err:  # a report: the reason is the result
+        say(f"  {name:40} did not run: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+        say(f"  {name:40} no host sync")
+    except RuntimeError as err:
+        say(f"  {name:40} syncs: {str(err).splitlines()[0][:100]}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def syncs(device: torch.device, small: bool) -> None:
     say("## 2. host syncs: steps under torch.cuda.set_sync_debug_mode('error')")
     if device.type != "cuda":
@@ -106,48 +149,69 @@ def syncs(device: torch.device, small: bool) -> None:
         return
     params = [torch.randn(s, device=device) for s in [(4096,), (64, 64)]]
     grads = [torch.randn_like(p) * 1e-2 for p in params]
-    for name, make in chains().items():
-        tx = make()
-        state = tx.init(params)
-        current = [p.clone() for p in params]
-        current, state = fadam.step(tx, current, grads, state, donate=True)  # first step: kernels load
+    for name, make in {**chains(), **capturable_chains()}.items():
+        _synced(name, _fadam_variant(make(), params, grads))
+    for capturable in (False, True):
+        opt, _ = _optimizer(_fadam_adamw, params, grads, capturable)
+        _synced(f"Optimizer(capturable={capturable}) adamw", opt.step)
+
+
+def _replayed(name: str, run: Callable[[], None], params: list, expected: list) -> None:
+    """Runs ``run`` once outside a capture (kernels load), captures it in a CUDA graph, replays that 3 times and says
+    how far ``params`` then are from ``expected``, the params after 4 eager steps; or why it did not capture."""
+    try:
+        run()
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fadam.step(tx, current, grads, state, donate=True)
-            say(f"  {name:13} no host sync")
-        except RuntimeError as err:
-            say(f"  {name:13} syncs: {str(err).splitlines()[0][:100]}")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        worst = max(_ulps(a, b) for a, b in zip(params, expected))
+        say(f"  {name:40} captured; after 3 replays {worst} ulps from eager steps")
+    except Exception as err:  # a report: the reason is the result
+        say(f"  {name:40} not capturable: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+
+
+def _donated(tx: fadam.GradientTransformation, params: list, grads: list) -> Callable[[], None]:
+    """A donated step of ``tx``, which writes ``params`` in place (and, under ``fadam.capturable``, its state too);
+    the state is kept between calls."""
+    holder = {"state": tx.init(params)}
+
+    def run() -> None:
+        _, holder["state"] = fadam.step(tx, params, grads, holder["state"], donate=True)
+
+    return run
+
+
+def _eager_steps(tx: fadam.GradientTransformation, params: list, grads: list, steps: int = 4) -> list[torch.Tensor]:
+    expected, state = [p.clone() for p in params], tx.init(params)
+    for _ in range(steps):
+        expected, state = fadam.step(tx, expected, grads, state)
+    return expected
 
 
 def graphs(device: torch.device, small: bool) -> None:
-    say("## 3. CUDA graphs: a donated step captured once and replayed 3 times, against 3 eager steps")
+    say("## 3. CUDA graphs: a donated step captured once and replayed 3 times, against 4 eager steps")
     if device.type != "cuda":
         say("  needs CUDA")
         return
-    for name, make in chains().items():
+    shapes = [(4096,), (64, 64)]
+    for name, make in {**chains(), **capturable_chains()}.items():
         tx = make()
-        params = [torch.randn(s, device=device) for s in [(4096,), (64, 64)]]
+        params = [torch.randn(s, device=device) for s in shapes]
         grads = [torch.randn_like(p) * 1e-2 for p in params]
-        expected, expected_state = [p.clone() for p in params], tx.init(params)
+        expected = _eager_steps(tx, params, grads)
+        _replayed(name, _donated(tx, params, grads), params, expected)
+    params = [torch.randn(s, device=device) for s in shapes]
+    grads = [torch.randn_like(p) * 1e-2 for p in params]
+    for name, make in (("fadam.Optimizer", _fadam_adamw), ("torch.optim.AdamW", torch.optim.AdamW)):
+        reference, expected = _optimizer(make, params, grads, capturable=False)
         for _ in range(4):
-            expected, expected_state = fadam.step(tx, expected, grads, expected_state)
-        state = tx.init(params)
-        params, state = fadam.step(tx, params, grads, state, donate=True)  # warm-up, outside the capture
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fadam.step(tx, params, grads, state, donate=True)
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            worst = max(_ulps(a, b) for a, b in zip(params, expected))
-            say(f"  {name:13} captured; after 3 replays {worst} ulps from eager steps")
-        except Exception as err:  # a report: the reason is the result
-            say(f"  {name:13} not capturable: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+            reference.step()
+        opt, tensors = _optimizer(make, params, grads, capturable=True)
+        _replayed(f"{name}(capturable=True) adamw", opt.step, tensors, expected)
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
@@ -225,7 +289,7 @@ def times(device: torch.device, small: bool, rounds: int) -> None:
         say(f"  {label}: torch AdamW(fused=True) {anchor:.3f} ms")
         for name, found in measured.items():
             if found:
-                say(f"    {name:30} {statistics.median(found):9.3f} ms {statistics.median(found) / anchor:6.2f}x")
+                say(f"    {name:40} {statistics.median(found):9.3f} ms {statistics.median(found) / anchor:6.2f}x")
         del params, grads, runs
 
 

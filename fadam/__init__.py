@@ -102,6 +102,7 @@ from fadam.aliases import (
     yogi,
 )
 from fadam.bridge import Optimizer, SparseAdam, state_from_torch, state_to_torch
+from fadam.combinators._capturable import capturable
 from fadam.combinators._chain import chain, named_chain
 from fadam.combinators._conditionality import (
     ConditionallyMaskState,
@@ -430,6 +431,7 @@ __all__ = [
     "bias_correction",
     "cautious",
     "centralize",
+    "capturable",
     "chain",
     "clip",
     "clip_by_block_rms",

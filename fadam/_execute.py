@@ -35,6 +35,7 @@ from fadam import _triton_kernel
 from fadam._base import add_update
 from fadam._cpu_kernel import KERNEL_DTYPES, Kernel, Quantized, _aten_fma, load, weight_scalars
 from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, real_view
+from fadam._numerics import device_vector, is_resident
 from fadam._program import (
     Elementwise,
     Program,
@@ -717,7 +718,8 @@ def _run_kernel(
     the kernel reads and writes where donated; elsewhere, or in ``targets``, each leaf's slot leaves to write)."""
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(tuple(decls), applies)
-    values = scalar_values([scalars[k] for k in chosen], traced.graph)
+    per_stage = [scalars[k] for k in chosen]
+    host_values: list[float] | None = None  # the scalars as doubles, read once for the groups that take them
     leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
     slot_specs = [slot for decl in decls for slot in decl.slots]
     # the leaves by the dtypes the kernel reads (a complex leaf's: its reals'), a quantized slot marked as such
@@ -750,7 +752,7 @@ def _run_kernel(
             p, u = step.params[i], step.updates[i]
             if leaf_reducing:  # a leaf reduction runs first in its segment, on the segment's input
                 own = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
-                leaf_values.extend(float(own[name]) for name in traced.graph.leaf_scalars)
+                leaf_values.extend(own[name] for name in traced.graph.leaf_scalars)
             slot_in = members[i]
             if targets is not None:
                 slot_out = targets[i]
@@ -762,6 +764,11 @@ def _run_kernel(
             rows.append([real_view(t) for t in row] if u.is_complex() else row)
             outputs.append(slot_out)
             finals.append(final)
+        if _scalars_on_device(kernel, per_stage, leaf_values):
+            values, leaf_values = scalar_values(per_stage, traced.graph, device), device_vector(leaf_values, device)
+        else:
+            host_values = scalar_values(per_stage, traced.graph) if host_values is None else host_values
+            values, leaf_values = host_values, [float(v) for v in leaf_values]
         kernel.run(rows, values, leaf_values)
         _store(part, chosen, step, new_slots, group, outputs)
         for i, final in zip(group, finals):
@@ -769,6 +776,18 @@ def _run_kernel(
                 step.new_params[i], step.applied[i], step.updates[i] = final, True, None
             else:
                 step.updates[i] = final
+
+
+def _scalars_on_device(kernel: Any, per_stage: list[dict], leaf_values: list[Any]) -> bool:
+    """Whether a kernel's scalars go to it as one tensor on its device: for the Triton kernel in a capturable step
+    (``fadam._numerics.resident``) or where a scalar is a tensor off the CPU (a global norm, a count on the device),
+    which reading as a double would sync. The C++ kernel reads doubles from host memory."""
+    if not isinstance(kernel, _triton_kernel.TritonKernel):
+        return False
+    if is_resident():
+        return True
+    found = [v for stage in per_stage for v in stage.values()] + leaf_values
+    return any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in found)
 
 
 def _generated(

@@ -2,18 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+
 import torch
 
 from fadam._dispatch import functorch_wrapped
 
 _INT32_MAX = torch.iinfo(torch.int32).max
+_resident: ContextVar[bool] = ContextVar("fadam_resident", default=False)
+
+
+@contextlib.contextmanager
+def resident() -> Iterator[None]:
+    """Inside the block, a step reads nothing on the host: every count, and every scalar computed from one, stays a
+    tensor where it lives, as it does on an accelerator (``fadam.capturable`` runs its steps so). On the CPU this is
+    what makes such a step testable: its counts are CPU tensors, which ``host_number`` would otherwise read.
+    """
+    token = _resident.set(True)
+    try:
+        yield
+    finally:
+        _resident.reset(token)
+
+
+def is_resident() -> bool:
+    """Whether the current step keeps its scalars as tensors (``resident``)."""
+    return _resident.get()
 
 
 def zero_count() -> torch.Tensor:
-    """A fresh step counter: a 0-d int32 CPU tensor.
+    """A fresh step counter: a 0-d int32 tensor on torch's default device, the CPU.
 
     It lives on the CPU, as torch.optim's step does on its default path: a 0-d CPU tensor mixes with tensors on any
     device without a host-device copy, and bias corrections computed from it cost no kernel launch on an accelerator.
+    ``fadam.capturable`` makes it on the params' device instead (their device as the default one), as torch.optim's
+    capturable mode does.
     """
     return torch.zeros([], dtype=torch.int32)
 
@@ -50,6 +75,19 @@ def bias_correction_number(decay: float | torch.Tensor, count: torch.Tensor) -> 
         return 1.0 - float(decay) ** value
     except OverflowError:  # |decay| > 1: torch.pow's inf instead
         return None
+
+
+def device_vector(values: Sequence[float | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``values`` (scalars of a step: numbers and 0-d tensors) as a 1-d float64 tensor on ``device``, built by torch
+    ops there: each tensor converted on the device, each number written by a fill. Nothing is read on the host and
+    nothing is copied from host memory, so a CUDA graph that captures it replays it."""
+    parts = [
+        value.detach().to(device, torch.float64).reshape(1)
+        if isinstance(value, torch.Tensor)
+        else torch.full((1,), value, dtype=torch.float64, device=device)
+        for value in values
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def dtype_for(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype | None:
@@ -92,6 +130,8 @@ def no_zero_on_cpu(x: torch.Tensor) -> bool:
         return False
     if functorch_wrapped(x):  # always while torch.compile traces
         return False  # data-dependent control flow is not allowed there
+    if _resident.get():  # a capturable step reads nothing back, not even a CPU tensor
+        return False
     return torch.amin(x.detach()).item() > 0  # NaN or a negative value also take the general path
 
 
@@ -101,11 +141,13 @@ def host_number(value: float | torch.Tensor | None) -> float | torch.Tensor | No
     Bias corrections are computed from the step count as 0-d float64 tensors. Mixed into a param-shaped tensor they
     round to the param's dtype exactly as the same number passed as a Python float does, but each use costs an extra
     dtype conversion inside the op, which is a large share of a small tensor's update (meta-learning's inner loops).
-    Reading a CPU tensor is not a device sync. A traced, batched or differentiable value is returned as it is.
+    Reading a CPU tensor is not a device sync. A traced, batched or differentiable value is returned as it is, and so
+    is every value in a ``resident`` step.
     """
     if (
         torch.compiler.is_compiling()  # first: the tracer must not see the checks below
         or type(value) is not torch.Tensor
+        or _resident.get()
         or value.dim()
         or value.device.type != "cpu"
         or value.requires_grad

@@ -37,7 +37,7 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._dispatch import is_plain, is_sparse, real_view
-from fadam._numerics import dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
+from fadam._numerics import device_vector, dtype_for, for_leaf, safe_increment, safe_sqrt, zero_count
 from fadam._tree import PyTree, check_leaves, check_params, tree_map
 from fadam.transforms._validation import check_state
 
@@ -638,11 +638,15 @@ def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:
     return names, leaf_names
 
 
-def scalar_values(per_stage: Sequence[Scalars], graph: Graph) -> list[float]:
-    """The values of a traced graph's scalars, in the graph's order, as doubles (a kernel casts them once)."""
+def scalar_values(
+    per_stage: Sequence[Scalars], graph: Graph, device: torch.device | None = None
+) -> list[float] | torch.Tensor:
+    """The values of a traced graph's scalars, in the graph's order, as doubles (a kernel casts them once): Python
+    floats, or with ``device`` one float64 tensor there (``device_vector``), which reads nothing on the host."""
     values = []
     for name in graph.scalars:
         stage, _, key = name.partition(".")
-        value = per_stage[int(stage)][key]
-        values.append(float(value))
-    return values
+        values.append(per_stage[int(stage)][key])
+    if device is not None:
+        return device_vector(values, device)
+    return [float(value) for value in values]

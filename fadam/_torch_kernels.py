@@ -13,7 +13,10 @@ runs the kernel on the leaves that allow it, so that ``fadam.adamw`` steps exact
 - Adagrad: ``[scale(-1)] [add_decayed_weights] scale_by_rss(eps_in_sqrt=False) scale_by_learning_rate``.
 
 A hyperparameter inside the kernel's math must be a number (a tensor may be learned, a schedule is not a number);
-the learning rate and a coupled weight decay are read from the step's scalars, so schedules of them are served.
+the learning rate and a coupled weight decay are read from the step's scalars, so schedules of them are served. A
+tensor learning rate and the step (a count on the device under ``fadam.capturable``) reach the kernels as tensors,
+as torch.optim's capturable mode gives them; SGD's kernel takes whether it is the first step as a flag, so it runs
+only where the count is read for free.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fadam._numerics import safe_increment
+from fadam._numerics import host_number, is_resident, safe_increment
 from fadam._program import Elementwise
 
 Leaves = list[torch.Tensor]
@@ -116,7 +119,13 @@ def torch_kernel(
         return None
     lr = -scalars[shape.lr]["step_size"]
     if isinstance(lr, torch.Tensor):
-        lr = lr.detach() if device_type != "cpu" else float(lr)  # CUDA kernels read a tensor lr: no host sync
+        # CUDA kernels read a tensor lr through a float pointer, and refuse a float64 one (a schedule's value): no host
+        # sync; the CPU ones read it as a double, as a number, which a capturable step (fadam.capturable) gives them
+        # so that nothing is read on the host and a captured graph reads each step's lr
+        if device_type != "cpu":
+            lr = lr.detach().to(torch.float32)
+        else:
+            lr = lr.detach() if is_resident() else float(lr)
     elif not _number(lr):
         return None
     weight_decay = 0.0
@@ -132,9 +141,8 @@ def torch_kernel(
 
 
 def _on(value: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
-    """A tensor lr on ``device`` in float32: torch's CUDA kernels read it through a ``float`` pointer, and refuse a
-    float64 one (a schedule's value)."""
-    return value.to(device=device, dtype=torch.float32) if isinstance(value, torch.Tensor) else value
+    """A tensor lr on ``device`` (in the dtype ``torch_kernel`` gave it for the kernel's device type)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def _adam(
@@ -170,9 +178,13 @@ def _adam(
 
 def _sgd(
     decls: tuple[Elementwise, ...], states: Sequence[Any], shape: _Shape, lr: Any, weight_decay: float
-) -> TorchKernel:
+) -> TorchKernel | None:
     trace = decls[shape.core] if shape.core is not None else None
-    first_step = trace is not None and bool(states[shape.core].count == 0)
+    # the kernel takes whether this is the first step (which copies the gradient into the buffer) as a flag: where the
+    # count cannot be read for free (on a device, in a capturable step) the generated kernel or eager ops run instead
+    first_step = trace is not None and host_number(states[shape.core].count == 0)
+    if isinstance(first_step, torch.Tensor):
+        return None
 
     def run(device: torch.device, params: Leaves, grads: Leaves, *buffers: Leaves) -> None:
         torch._fused_sgd_(
@@ -193,15 +205,14 @@ def _sgd(
 
 def _adagrad(decls: tuple[Elementwise, ...], shape: _Shape, lr: Any, weight_decay: float) -> TorchKernel:
     # the step's lr is already decayed (fadam.adagrad's schedule computes torch's lr / (1 + (step - 1) * lr_decay)
-    # alike): the kernel takes it with no decay of its own, for which the step it is given does not matter
-    step = torch.ones([], dtype=torch.float32)
-
+    # alike): the kernel takes it with no decay of its own, for which the step it is given does not matter; made on
+    # the device by a fill, not copied from the host, which a captured graph could not replay
     def run(device: torch.device, params: Leaves, grads: Leaves, sums: Leaves) -> None:
         torch._fused_adagrad_(
             params,
             grads,
             sums,
-            [step.to(device)] * len(params),
+            [torch.ones([], dtype=torch.float32, device=device)] * len(params),
             lr=_on(lr, device),
             lr_decay=0.0,
             weight_decay=weight_decay,

@@ -539,6 +539,8 @@ class TritonKernel:
         self._constants = list(constants)
         self._fma = fma
         self._per_leaf = per_leaf
+        self._tables: dict[tuple, torch.Tensor] = {}  # the leaves' pointer tables on their device, by their contents
+        self._device_constants: dict[torch.device, torch.Tensor] = {}
         self._span = span
         self._stored_maps = stored_maps
 
@@ -561,11 +563,18 @@ class TritonKernel:
         maps, guesses, thresholds, _ = tables_on(stored.device)
         return [stored, maps, guesses, thresholds]
 
-    def run(self, leaves: list[list[torch.Tensor]], scalars: list[float], leaf_scalars: list[float]) -> None:
+    def run(
+        self,
+        leaves: list[list[torch.Tensor]],
+        scalars: list[float] | torch.Tensor,
+        leaf_scalars: list[float] | torch.Tensor,
+    ) -> None:
         """Runs on ``leaves`` (per leaf: the inputs, then the outputs, contiguous, on one device, of the kernel's
         dtypes), with ``leaf_scalars`` holding each leaf's own scalars in turn: ``fadam._cpu_kernel.Kernel.run``'s
-        arguments. Two small host-to-device copies (the table, the values) and one launch (with quantized slots,
-        a copy of their map ids first: ``_codec``)."""
+        arguments. The scalars come as doubles, or as one float64 tensor on the leaves' device (a capturable
+        step's, ``fadam._numerics.device_vector``), which is not copied from the host; the table of the leaves'
+        pointers is copied to the device once for each set of pointers and kept (``_table``). Then one launch
+        (with quantized slots, a copy of their map ids first: ``_codec``)."""
         if len(leaf_scalars) != self._per_leaf * len(leaves):
             raise ValueError(f"expected {self._per_leaf} scalars per leaf, got {len(leaf_scalars)} for {len(leaves)}")
         codec = self._codec(leaves)
@@ -575,25 +584,57 @@ class TritonKernel:
         total = sum(blocks)
         if total == 0:
             return
+        device = leaves[0][0].device
+        self._function[(total,)](
+            self._table(leaves, sizes, blocks, device),
+            len(leaves),
+            self._values(scalars, leaf_scalars, device),
+            *codec,
+            BLOCK=BLOCK,
+            FMA=self._fma,
+            enable_fp_fusion=False,  # every operation rounds once, as torch's separate kernels do
+        )
+
+    _KEPT_TABLES = 8  # per kernel: more than the groups of leaves one step gives it
+
+    def _table(
+        self, leaves: list[list[torch.Tensor]], sizes: list[int], blocks: list[int], device: torch.device
+    ) -> torch.Tensor:
+        """The launch's table on ``device``: per leaf its tensors' data pointers, its size and its first program, then
+        each program's leaf. Kept while the pointers are unchanged, which a donated step's are, so that such steps copy
+        nothing from pageable host memory and a CUDA graph that captures one reads a table that outlives it (the last
+        ``_KEPT_TABLES`` are kept, by their contents: a table is a function of its key)."""
         table: list[int] = []
         first = 0
         for row, size, count in zip(leaves, sizes, blocks):
             table += [t.data_ptr() for t in row]
             table += [size, first]
             first += count
-        owners = torch.repeat_interleave(torch.arange(len(leaves), dtype=torch.int64), torch.tensor(blocks))
-        device = leaves[0][0].device
-        packed = torch.cat([torch.tensor(table, dtype=torch.int64), owners]).to(device, non_blocking=True)
-        values = torch.tensor([*scalars, *self._constants, *leaf_scalars, 0.0], dtype=torch.float64)
-        self._function[(total,)](
-            packed,
-            len(leaves),
-            values.to(device, non_blocking=True),
-            *codec,
-            BLOCK=BLOCK,
-            FMA=self._fma,
-            enable_fp_fusion=False,  # every operation rounds once, as torch's separate kernels do
-        )
+        key = (device, *table, *blocks)
+        found = self._tables.pop(key, None)
+        if found is None:
+            owners = torch.repeat_interleave(torch.arange(len(leaves), dtype=torch.int64), torch.tensor(blocks))
+            found = torch.cat([torch.tensor(table, dtype=torch.int64), owners]).to(device, non_blocking=True)
+            if len(self._tables) >= self._KEPT_TABLES:
+                del self._tables[next(iter(self._tables))]  # the least recently used
+        self._tables[key] = found
+        return found
+
+    def _values(
+        self, scalars: list[float] | torch.Tensor, leaf_scalars: list[float] | torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """The values tensor on ``device``: the step's scalars, the graph's constants, each leaf's scalars, and a pad.
+        Tensor scalars are joined there by one ``torch.cat`` with the constants, which are copied there once."""
+        if not isinstance(scalars, torch.Tensor):
+            values = torch.tensor([*scalars, *self._constants, *leaf_scalars, 0.0], dtype=torch.float64)
+            return values.to(device, non_blocking=True)
+        constants = self._device_constants.get(device)
+        if constants is None:
+            constants = torch.tensor([*self._constants, 0.0], dtype=torch.float64).to(device)
+            self._device_constants[device] = constants
+        if not isinstance(leaf_scalars, torch.Tensor):
+            leaf_scalars = torch.tensor(leaf_scalars, dtype=torch.float64).to(device)
+        return torch.cat([scalars, constants[:-1], leaf_scalars, constants[-1:]])
 
 
 def _import(text: str) -> ModuleType:

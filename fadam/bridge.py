@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
-from torch.optim.optimizer import _device_dtype_check_for_fused, required
+from torch.optim.optimizer import _device_dtype_check_for_fused, _get_capturable_supported_devices, required
 
-from fadam._base import GradientTransformation, step
+from fadam._base import GradientTransformation, _write_into, step
 from fadam._bitsandbytes_state import adam_stand_in, as_bitsandbytes, as_torch_adam, is_bitsandbytes
 from fadam._dispatch import first_overlap, is_sparse
 from fadam._execute import backend
@@ -24,6 +24,7 @@ from fadam._lbfgs_state import lbfgs_from_torch, lbfgs_to_torch
 from fadam._torch_aliases import check_sparse_adam_args, sparse_adam
 from fadam._tree import PyTree, path_str, tree_flatten, tree_leaves
 from fadam.aliases import adagrad, adam, adamw, sgd
+from fadam.combinators._capturable import capturable
 from fadam.paging import PagedState
 from fadam.quantization import QuantizedArray
 from fadam.quantization._full_precision import dequantized, full_precision
@@ -367,11 +368,13 @@ def _kind(value: Any) -> Any:
 
 def _live_lr(group: dict[str, Any]) -> Callable[[torch.Tensor], float | torch.Tensor]:
     """The learning-rate schedule of a factory group: its current ``lr`` at each step (a tensor as it is in a
-    differentiable group, so that gradients reach it)."""
+    differentiable group, so that gradients reach it, and in a capturable one, so that it is not read on the host and
+    a captured graph reads its current value)."""
 
     def lr(count: torch.Tensor) -> float | torch.Tensor:
         value = group["lr"]
-        return value if group["differentiable"] and isinstance(value, torch.Tensor) else _lr_value(value)
+        as_tensor = group["differentiable"] or group["capturable"]
+        return value if as_tensor and isinstance(value, torch.Tensor) else _lr_value(value)
 
     return lr
 
@@ -392,8 +395,8 @@ def _flags_of(group: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _check_flags(group: dict[str, Any], where: str) -> None:
-    """torch.optim's checks of ``foreach``, ``fused``, ``capturable`` and ``differentiable``, with its messages, and
-    fadam's limit of ``capturable`` (its step counts live on the CPU)."""
+    """torch.optim's checks of ``foreach``, ``fused``, ``capturable`` and ``differentiable``, with its messages;
+    ``capturable`` takes CPU params too, which step by the same route (``fadam.capturable``)."""
     for name, default in _FLAGS.items():
         value = group[name]
         if not (isinstance(value, bool) or (default is None and value is None)):
@@ -412,11 +415,11 @@ def _check_flags(group: dict[str, Any], where: str) -> None:
                 _device_dtype_check_for_fused(p)
             except RuntimeError as error:
                 raise RuntimeError(f"{where}: {error}") from None
-        if group["capturable"] and p.device.type != "cpu":
+        devices = ["cpu", *_get_capturable_supported_devices()] if group["capturable"] else []
+        if devices and p.device.type not in devices:
             raise ValueError(
-                f"{where}: capturable=True needs the step counts on the params' device; fadam keeps them on the CPU "
-                f"(no host sync on any device, but not capturable in a CUDA graph), so it takes CPU params only, got "
-                f"a param on {p.device}"
+                f"{where}: capturable=True needs the step counts on the params' device: If capturable=True, params "
+                f"and state_steps must be on supported devices: {devices}; got a param on {p.device}"
             )
 
 
@@ -448,6 +451,13 @@ def _check_fused_sparse(group: dict[str, Any], spec: Any, where: str) -> None:
     if group["fused"] and any(is_sparse(p.grad) for p in group["params"]):
         message = _FUSED_SPARSE.get(getattr(spec, "func", spec), "fused=True does not support sparse gradients")
         raise RuntimeError(f"{where}: {message}")
+
+
+def _run_as(tx: GradientTransformation, group: dict[str, Any]) -> GradientTransformation:
+    """The transform a group's state is made and stepped with: ``fadam.capturable(tx)`` in a capturable group (its
+    counts on the params' device, a step that reads nothing on the host and writes its state in place), else ``tx``.
+    A transform that minimizes a closure is stepped as it is: it evaluates the loss on the host."""
+    return capturable(tx) if group["capturable"] and not _minimizes(tx) else tx
 
 
 def _backend_of(group: dict[str, Any]) -> str:
@@ -549,9 +559,12 @@ class Optimizer(torch.optim.Optimizer):
     ``differentiable=True`` raises too. ``differentiable=True`` steps under autograd, as torch.optim does: the params
     (non-leaf tensors, which the optimizer then accepts) are written in place from an update computed on the eager
     path without donation, so gradients reach the initial params, the gradients, the state and a tensor ``lr`` or
-    hyperparameter. ``capturable=True`` is accepted for CPU params, where fadam's step counts live with them and cost
-    no host sync; fadam keeps step counts on the CPU for every device, so it refuses params elsewhere. The flags are
-    checked at construction and when they change.
+    hyperparameter. ``capturable=True`` steps the group's transform as ``fadam.capturable`` runs it: its step counts
+    on the params' device, a step that reads no device value on the host (a tensor ``lr`` stays a tensor) and writes
+    the params and the state in place, so that ``step()`` can be captured in a CUDA graph after a first step outside
+    it, as torch.optim's can; CPU params take the same route (torch.optim refuses them, fadam takes them), params on
+    other devices than torch's capturable ones are refused. The flags are checked at construction and when they
+    change.
 
     **Sparse gradients** (``nn.Embedding(sparse=True)``'s) step where the group's transform takes them: ``fadam.sgd``
     and ``fadam.adagrad`` without weight decay, ``fadam.sparse_adam`` (``fadam.SparseAdam`` stands for
@@ -586,7 +599,7 @@ class Optimizer(torch.optim.Optimizer):
             for a factory, its default if not given).
         foreach: torch.optim's ``foreach``: ``True`` for fadam's generated kernel, ``False`` for torch ops per param.
         fused: torch.optim's ``fused``: ``True`` for the fused kernels, ``False`` for torch ops per param.
-        capturable: torch.optim's ``capturable``; CPU params only.
+        capturable: torch.optim's ``capturable``: steps that a CUDA graph can capture (``fadam.capturable``).
         differentiable: torch.optim's ``differentiable``: steps that autograd records.
         **options: the factory's other arguments, for the groups that do not set them.
 
@@ -727,7 +740,7 @@ class Optimizer(torch.optim.Optimizer):
         params = self._tree(group, [p.detach() for p in group["params"]])
         where = f"param group {len(self.param_groups) - 1}"
         if isinstance(spec, GradientTransformation):
-            state = spec.init(params)
+            state = _run_as(spec, group).init(params)
             injected = _injected_lr(state)
             if injected is not None:
                 if group["lr"] is None:
@@ -751,7 +764,7 @@ class Optimizer(torch.optim.Optimizer):
             for name, value in getattr(tx.update, "resolved", {}).items():
                 if values.get(name, value) is None:
                     group[name] = values[name] = value
-            return tx, "factory", tx.init(params), recipe, values
+            return tx, "factory", _run_as(tx, group).init(params), recipe, values
         raise TypeError(f"tx must be a GradientTransformation or a factory taking lr, got {type(spec).__name__}")
 
     # --- copies ----------------------------------------------------------------------------------------------------
@@ -855,7 +868,7 @@ class Optimizer(torch.optim.Optimizer):
             return state
         group = self.param_groups[index]
         tree = self._tree(group, [p.detach() for p in group["params"]])
-        fresh = tx.init(tree)
+        fresh = _run_as(tx, group).init(tree)
         if self._fresh[index]:
             return fresh
         params_spec = tree_flatten(tree)[1]
@@ -878,7 +891,8 @@ class Optimizer(torch.optim.Optimizer):
             return self._stepped_differentiably(index, tx, state, grads)
         # detached views share storage with the params but are plain tensors: fused kernels and in-place writes
         params = self._tree(group, [p.detach() for p in group["params"]])
-        mode, lr = self._modes[index], _lr_value(group["lr"])
+        mode, tx = self._modes[index], _run_as(tx, group)
+        lr = _lr_value(group["lr"]) if mode != "factory" else None  # a factory's transform reads the group's lr
         if mode == "injected":
             state = _with_injected_lr(state, lr)
         if mode == "rescale" and lr != self._base_lrs[index]:
@@ -888,11 +902,13 @@ class Optimizer(torch.optim.Optimizer):
                 if u is not None:
                     p.add_(u.to(p.dtype), alpha=factor)
             return state
-        new_params, state = step(tx, params, grads, state, donate=True)
+        new_params, new_state = step(tx, params, grads, state, donate=True)
         for p, new in zip(tree_leaves(params), tree_leaves(new_params)):
             if new is not p:
                 p.copy_(new)
-        return state
+        # a capturable group's state stays in its tensors on every backend (fadam.backend("eager"), foreach=False,
+        # runs the update and returns a new state): a captured step() then replays into the same storage
+        return _write_into(state, new_state) if group["capturable"] else new_state
 
     def _minimized(
         self, index: int, tx: GradientTransformation, state: PyTree, loss: Any, closure: Callable[[], Any]
@@ -1107,7 +1123,7 @@ class Optimizer(torch.optim.Optimizer):
         tx = _build(recipe, values, group, where)
         if all(_kind(values[name]) == _kind(built_with[name]) for name in values):
             return tx, self.tx_states[index], values
-        return tx, tx.init(self._tree(group, [p.detach() for p in group["params"]])), values
+        return tx, _run_as(tx, loaded).init(self._tree(group, [p.detach() for p in group["params"]])), values
 
     def _load_entries(
         self, index: int, saved: dict[str, Any], saved_state: dict[int, Any], tx: GradientTransformation, template: Any
@@ -1171,7 +1187,7 @@ class Optimizer(torch.optim.Optimizer):
         params = self._tree(group, [p.detach() for p in group["params"]])
         by_position = [saved_state.get(i, {}) for i in _per_distinct(self._given[index], saved["params"])]
         try:
-            return _convert_from_torch([by_position[i] for i in _given_order(params)], tx, params, None)
+            return _convert_from_torch([by_position[i] for i in _given_order(params)], _run_as(tx, group), params, None)
         except ValueError as error:
             raise ValueError(f"param group {index}: a torch.optim state_dict that does not convert: {error}") from None
 

@@ -104,6 +104,10 @@ FACTORIES: dict[str, list[Callable[[], fadam.GradientTransformation]]] = {
         lambda: fadam.apply_if_finite(fadam.adam(1e-2, amsgrad=True), 2),
         lambda: fadam.apply_if_finite(fadam.sgd(_half_lr, momentum=0.9), 0),
     ],
+    "capturable": [
+        lambda: fadam.capturable(fadam.chain(fadam.clip_by_global_norm(1.0), fadam.adamw(1e-2, weight_decay=0.1))),
+        lambda: fadam.capturable(fadam.MultiSteps(fadam.adam(1e-2), 2).gradient_transformation()),
+    ],
     "freeze": [lambda: fadam.freeze({"layer": {"w": True, "b": False}, "extra": False, "z": True})],
     "inject_hyperparams": [
         lambda: fadam.inject_hyperparams(fadam.adamw)(lr=_half_lr, weight_decay=0.1),

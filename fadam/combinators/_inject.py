@@ -100,7 +100,11 @@ def inject_hyperparams(
     ``fadam.step`` runs the inner transform's program, torch's fused kernel included where the inner alias is one. A
     hyperparameter whose value decides the structure of the factory's chain (``adam``'s ``weight_decay`` of 0 adds
     no decay transform) keeps that structure from ``init``: change it only between values of the same kind, or name
-    it in ``static_args`` under ``torch.compile``.
+    it in ``static_args`` under ``torch.compile``. Under ``fadam.capturable`` the count lives on the params' device
+    and the schedules are evaluated there, their values reaching the factory as device tensors, which its argument
+    checks read on the host (a sync each; on the meta device they refuse); the values given as Python numbers stay on
+    the host and reach the factory as numbers, read from their CPU tensors (a captured CUDA graph keeps the ones it
+    was captured with).
 
     Args:
         inner_factory: a function returning a ``GradientTransformation``, such as ``fadam.adam``.

@@ -1,11 +1,13 @@
 """Robustness wrappers: skip non-finite or oversized steps, accumulate gradients, zero NaNs, freeze leaves.
 
 A wrapper that may skip a step decides from a 0-d bool tensor. When that flag lives on the CPU and nothing traces the
-step (no ``torch.compile``, no ``torch.func`` batching), reading it costs no device synchronisation, so the wrapper
-branches in Python: a skipped step runs no inner update and returns the inner state objects unchanged. Otherwise
-(under vmap or compile, or gradients on an accelerator) both outcomes are computed and selected leaf by leaf with
-``torch.where``: the same values in one graph. With gradients on an accelerator the flag is copied to the CPU for the
-0-d step counters that states keep there (one small device-to-host copy per step); everything else stays on device.
+step (no ``torch.compile``, no ``torch.func`` batching, no ``fadam.capturable``), reading it costs no device
+synchronisation, so the wrapper branches in Python: a skipped step runs no inner update and returns the inner state
+objects unchanged. Otherwise (under vmap or compile, gradients on an accelerator, or a capturable step) both outcomes
+are computed and selected leaf by leaf with ``torch.where``: the same values in one graph. The flag is moved once to
+each device the state has leaves on: with gradients on an accelerator and the inner step counts on the CPU, where
+states keep them by default, that is one small device-to-host copy per step; under ``fadam.capturable`` the counts
+live with the flag, and nothing is copied.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from fadam._base import FusibleUpdate, GradientTransformation, set_to_zero
 from fadam._dispatch import is_plain
-from fadam._numerics import safe_increment, zero_count
+from fadam._numerics import is_resident, safe_increment, zero_count
 from fadam._tree import PyTree, check_leaves, tree_flatten, tree_leaves, tree_map
 from fadam.combinators._masking import masked, partition
 from fadam.transforms._validation import check_state
@@ -40,31 +42,37 @@ ShouldSkipUpdateFn = Callable[[PyTree, torch.Tensor, PyTree], tuple[torch.Tensor
 
 
 def _host_bool(flag: torch.Tensor) -> bool | None:
-    """The flag's value when reading it is free (a plain CPU tensor, eager), else ``None``."""
+    """The flag's value when reading it is free (a plain CPU tensor, eager, outside a capturable step), else
+    ``None``."""
     if (
-        not torch.compiler.is_compiling() and flag.device.type == "cpu" and is_plain(flag)
+        not torch.compiler.is_compiling() and flag.device.type == "cpu" and not is_resident() and is_plain(flag)
     ):  # dynamo cannot trace is_plain
         return bool(flag)
     return None
 
 
+def _moved(value: torch.Tensor, device: torch.device, moved: dict[torch.device, torch.Tensor]) -> torch.Tensor:
+    """``value`` on ``device``, copied there once per step (``moved`` holds the copies made so far)."""
+    found = moved.get(device)
+    if found is None:
+        found = moved[device] = value.to(device)
+    return found
+
+
 def _select(flag: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
-    """``new`` where ``flag`` else ``old``, leaf by leaf, with the flag moved to each leaf's device."""
-    on_device: dict[torch.device, torch.Tensor] = {}
-
-    def pick(n: Any, o: Any) -> Any:
-        if not isinstance(n, torch.Tensor):
-            return n
-        cond = on_device.setdefault(n.device, flag.to(n.device))
-        return torch.where(cond, n, o)
-
-    return tree_map(pick, new, old)
+    """``new`` where ``flag`` else ``old``, leaf by leaf, with the flag moved once to each leaf's device."""
+    moved = {flag.device: flag}
+    return tree_map(
+        lambda n, o: torch.where(_moved(flag, n.device, moved), n, o) if isinstance(n, torch.Tensor) else n, new, old
+    )
 
 
 def _zeros_where(flag: torch.Tensor, updates: PyTree) -> PyTree:
-    """``updates`` where ``flag`` else zeros (NaNs replaced too), ``None`` kept."""
+    """``updates`` where ``flag`` else zeros (NaNs replaced too), ``None`` kept; the flag moved once per device."""
+    moved = {flag.device: flag}
     return tree_map(
-        lambda u: None if u is None else torch.where(flag.to(u.device), u, torch.zeros((), dtype=u.dtype)), updates
+        lambda u: None if u is None else torch.where(_moved(flag, u.device, moved), u, torch.zeros((), dtype=u.dtype)),
+        updates,
     )
 
 
@@ -348,6 +356,7 @@ class MultiSteps:
         # mean and the sum are the gradient itself: one copy instead of three passes, when that is known for free.
         first = _host_bool(mini_step == 0)
         n = mini_step.to(torch.float64) + 1
+        moved = {n.device: n}
         new_accs = []
         for g, acc in zip(grads, accs):
             if g is None:
@@ -355,7 +364,9 @@ class MultiSteps:
             elif first:
                 new_accs.append(g.to(acc.dtype, copy=True))  # a copy: the state must not alias the caller's gradient
             elif self._use_grad_mean:  # Welford's running mean, as optax
-                new_accs.append(acc + (g.to(acc.dtype) - acc) / n.to(acc.device))
+                mean = acc + (g.to(acc.dtype) - acc) / _moved(n, acc.device, moved)
+                # a 0-d accumulator is promoted by the 0-d float64 count: it keeps its dtype, as the others do
+                new_accs.append(mean if mean.dtype == acc.dtype else mean.to(acc.dtype))
             else:
                 new_accs.append(acc + g.to(acc.dtype))
         return new_accs
