@@ -61,8 +61,9 @@ UNALIGNED_CASES: dict[str, Callable[[], fadam.GradientTransformation]] = {
 # rounding does not reach its float32 updates here)
 GLOBAL_NORM_CASES = {"clip+adamw", "clip+sgd", "lamb", "adafactor", "mars-all-leaves", "sam-sgd", "lars-nesterov"}
 # optimizers whose state reduces a param over a dim: a statistic that reduced a sharded dim (or a 1-element
-# placeholder) is replicated on the params' mesh instead of sharded like the param
-REPLICATED_STATE_CASES = {"adafactor"}
+# placeholder) is replicated on the params' mesh instead of sharded like the param; SOAP, Shampoo and PSGD Kron keep
+# all of a leaf's state replicated (matrices over whole dims, and moments they precondition whole)
+REPLICATED_STATE_CASES = {"adafactor", "soap-vectors", "shampoo-adam-grafting", "psgd-kron"}
 # optimizers whose state goes through a DCP save and a load into 2 ranks and into 1 process
 DCP_CASES = ["adamw", "clip+sgd", "adamw8bit"]
 

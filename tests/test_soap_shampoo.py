@@ -2,8 +2,8 @@
 its documented equations, each written out below as a slow float64 loop over leaves (precondition refreshes, a dim
 above the size limit, merged dims); ``fadam.soap`` against heavyball's SOAP (float64 trajectories in
 tests/data/heavyball_soap.json, from scripts/heavyball_soap_reference.py with heavyball 3.2.1 on torch 2.13); vmap
-over an ensemble, 16-bit params, composition, bad input. The conformance battery runs them too
-(tests/conformance/rows_soap.py)."""
+over an ensemble, 16-bit params, composition, DTensor params (SOAP's, Shampoo's and PSGD Kron's shared path), bad
+input. The conformance battery runs them too (tests/conformance/rows_soap.py)."""
 
 from __future__ import annotations
 
@@ -369,17 +369,48 @@ def test_init_refuses_complex_params(factory: Callable) -> None:
         factory().init({"w": torch.zeros(2, 2), "z": torch.zeros(3, dtype=torch.complex64)})
 
 
-def test_init_refuses_dtensor_params(tmp_path: Path) -> None:
+DTENSOR_CASES = [
+    pytest.param(lambda: fadam.soap(0.05, precondition_frequency=2, precondition_1d=True), id="soap"),
+    pytest.param(lambda: fadam.shampoo(0.05, grafting="adam", precondition_1d=True), id="shampoo"),
+    pytest.param(lambda: fadam.psgd_kron(0.05), id="psgd-kron"),
+]
+
+
+@pytest.mark.parametrize("make", DTENSOR_CASES)
+def test_dtensor_params_keep_replicated_state_that_round_trips_through_dcp(make: Callable, tmp_path: Path) -> None:
+    """On a one-rank mesh (tests/test_fsdp.py runs two ranks): the state of DTensor params is replicated, the updates
+    have the params' placements, the params are a plain run's bit for bit, and the state saved by
+    torch.distributed.checkpoint loads into a fresh state that steps on alike."""
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        params = {"w": distribute_tensor(torch.zeros(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])}
-        for factory in (fadam.soap, fadam.shampoo):
-            with pytest.raises(ValueError, match=r"DTensor \(FSDP2\) params: param \['w'\] is a DTensor"):
-                factory().init(params)
+        mesh = init_device_mesh("cpu", (1,))
+        plain = quadratic.start({"matrix": (4, 3), "vector": (3,)})
+        tx = make()
+        params, state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in plain.items()}, tx.init(plain)
+        sharded_state = tx.init(params)
+        for t in range(1, 4):
+            grads = {k: quadratic.gradient(k, p, t) for k, p in plain.items()}
+            plain, state = fadam.step(tx, plain, grads, state)
+            updates, sharded_state = tx.update(
+                {k: distribute_tensor(g, mesh, [Shard(0)]) for k, g in grads.items()}, sharded_state, params
+            )
+            assert all(u.placements == (Shard(0),) for u in updates.values())
+            params = fadam.apply_updates(params, updates)
+        assert all(torch.equal(params[k].full_tensor(), plain[k]) for k in plain)
+        matrices = [x for x in fadam._tree.tree_leaves(sharded_state) if x.dim() > 0]
+        assert matrices and all(isinstance(x, DTensor) and x.placements == (Replicate(),) for x in matrices)
+        dcp.save({"optim": fadam.state_to_dict(sharded_state)}, checkpoint_id=tmp_path / "ckpt")
+        target = {"optim": fadam.state_to_dict(tx.init(params))}
+        dcp.load(target, checkpoint_id=tmp_path / "ckpt")
+        loaded = fadam.state_from_dict(sharded_state, target["optim"])
+        grads = {k: distribute_tensor(quadratic.gradient(k, p, 4), mesh, [Shard(0)]) for k, p in plain.items()}
+        after, after_loaded = (fadam.step(tx, params, grads, s)[0] for s in (sharded_state, loaded))
+        assert all(torch.equal(after[k].full_tensor(), after_loaded[k].full_tensor()) for k in after)
     finally:
         dist.destroy_process_group()
 
@@ -404,30 +435,3 @@ def test_init_refuses_dtensor_params(tmp_path: Path) -> None:
 def test_bad_hyperparameters_are_refused(make: Callable, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
-
-
-def test_shampoo_compiles_into_one_graph() -> None:
-    """Under ``torch.compile`` the refreshes and the switch to preconditioning are selected in the graph (the count
-    is a tensor there): one graph for every step, the eager numbers (SOAP's row in the conformance battery checks
-    the same for SOAP)."""
-    from torch._dynamo.testing import CompileCounter
-
-    tx = fadam.shampoo(0.05, precondition_frequency=2, start_preconditioning_step=4, grafting="adam")
-    params = quadratic.start({"matrix": (4, 5)})
-    torch.compiler.reset()
-    counter = CompileCounter()
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def train_step(params: dict, grads: dict, state: Any) -> tuple[dict, Any]:
-        updates, state = tx.update(grads, state, params)
-        return fadam.apply_updates(params, updates), state
-
-    compiled, eager = params, params
-    compiled_state, eager_state = tx.init(params), tx.init(params)
-    for t in range(1, 6):
-        grads = {k: quadratic.gradient(k, p, t) for k, p in params.items()}
-        compiled, compiled_state = train_step(compiled, grads, compiled_state)
-        eager, eager_state = fadam.step(tx, eager, grads, eager_state)
-    assert counter.frame_count == 1
-    for k in params:
-        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-12, atol=1e-12)

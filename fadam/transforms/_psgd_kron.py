@@ -12,9 +12,10 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+from torch._C._functorch import is_batchedtensor
 
 from fadam._base import GradientTransformation
-from fadam._numerics import for_leaf, safe_increment, zero_count
+from fadam._numerics import bias_correction, for_leaf, safe_increment, zero_count
 from fadam._tree import PyTree, tree_map
 from fadam._tree_math import tree_update_moment
 from fadam.transforms._shampoo import (
@@ -25,7 +26,8 @@ from fadam.transforms._shampoo import (
     dtype_of_statistics,
     flatten_state,
     gram,
-    step_leaves,
+    replicated_like,
+    step_together,
 )
 from fadam.transforms._validation import check_state, check_unit_interval, known_value
 
@@ -66,11 +68,36 @@ def shared_draw(key: int, count: int) -> float:
 
 
 def normal_draws(
-    key: int, count: int, stream: int, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device
+    key: int, count: int, stream: int, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """Standard normal tensors of ``shapes``, one after another from the generator of ``(key, count, stream)``."""
+    """Standard normal tensors of ``shapes``, one after another from the generator of ``(key, count, stream)`` (on
+    the meta device, which holds no values and has no generator, tensors of those shapes)."""
+    if torch.device(device).type == "meta":
+        return [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     generator = draw_generator(key, count, stream, device)
     return [torch.randn(shape, generator=generator, dtype=dtype, device=device) for shape in shapes]
+
+
+class _Draws(NamedTuple):
+    """What a step reads on the host: whether the factors are rebalanced first (those of leaves of two dims or
+    more), and each leaf's normal draws for its fit, one per block (none where the factors stay)."""
+
+    rebalance: bool
+    vectors: list[list[torch.Tensor]]
+
+
+def step_draws(step: torch.Tensor, streams: list[int], shapes: list[list[tuple[int, ...]]], likes: list) -> _Draws:
+    """The ``_Draws`` of a step from ``step`` (the count, whether to update, the key), for leaves whose draws come
+    from ``streams``, with blocks of ``shapes``, in the dtype and on the device of ``likes``: read at once for every
+    leaf, so that torch.compile breaks its graph once per step."""
+    count, update, key = step.tolist()
+    if not update:
+        return _Draws(False, [[] for _ in streams])
+    vectors = [
+        normal_draws(key, count, stream, blocks, like.dtype, like.device)
+        for stream, blocks, like in zip(streams, shapes, likes)
+    ]
+    return _Draws(shared_draw(key, count) < BALANCE_PROBABILITY, vectors)
 
 
 # ----------------------------------------------------------------------------------------- a leaf's factor layout
@@ -187,7 +214,8 @@ def spectral_norm_lower_bound(s: torch.Tensor) -> torch.Tensor:
     :math:`c` of largest norm, computed on :math:`S / \max|S|` (kron_torch's ``_lb``; 0 for a zero matrix)."""
     scale = s.abs().amax()
     a = s / scale
-    x = a[:, a.square().sum(0).argmax()] @ a
+    # the column picked by index_select, not by a tensor subscript, which torch.compile reads on the host
+    x = a.index_select(1, a.square().sum(0).argmax().reshape(1)).squeeze(1) @ a
     bound = torch.linalg.vector_norm(a @ (x / torch.linalg.vector_norm(x))) * scale
     return torch.where(scale > 0, bound, scale)
 
@@ -310,8 +338,17 @@ def scale_by_psgd_kron(
     otherwise; kron_torch's default is float32, its triangular solves always float32). The draws come from
     ``torch.Generator`` s seeded from ``key``, the step count and the leaf's index (``draw_generator``; on the
     leaf's device), so that a step is a pure function of its inputs. Under ``torch.func.vmap`` each member is
-    stepped alone; under ``torch.compile`` the step's decisions and draws are read outside the graph (graph breaks).
-    Real params only; DTensor (FSDP2) params are refused.
+    stepped alone; under ``torch.compile`` the step's decisions and draws are read outside the graph, first (one
+    graph break per step). Real params only.
+
+    **FSDP2 / DTensor.** The factors act on whole dims, which a shard does not hold: each leaf's gradient is gathered
+    (``full_tensor()``, one all-gather per leaf and step, so every rank must step), the whole step runs on every rank
+    with the same draws, and each rank keeps its own shard of the update (the gradient's placements). All of the
+    state is replicated on the param's mesh (DTensors with ``Replicate`` placements, which distributed checkpoints
+    save once): the factors, and also the momentum, whose whole is preconditioned and fitted to each step (sharded,
+    it would need a second gather). Each rank so holds a leaf's whole state: one copy of the leaf and
+    :math:`\sum_i n_i^2` (:math:`n_i` for a diagonal factor), in ``precond_dtype``, where elementwise momentum would
+    hold a shard. The numbers are those of one process, bit for bit.
 
     Args:
         b1: :math:`\beta_1`, the momentum's decay.
@@ -366,9 +403,6 @@ def scale_by_psgd_kron(
     size = block if partition_grads else None
     probability = preconditioner_update_probability
     schedule = default_update_probability if probability is None else probability
-    # the draws run outside torch.compile's graphs (dynamo does not trace torch.Generator); disabled here, not where
-    # they are defined, so that importing fadam does not import dynamo
-    shared, normal = torch.compiler.disable(shared_draw), torch.compiler.disable(normal_draws)
 
     def plan_of(shape: torch.Size) -> _Plan:
         return _plan(shape, rule, merge_dims, size)
@@ -380,14 +414,16 @@ def scale_by_psgd_kron(
             if p is None:
                 return None
             dtype = dtype_of_statistics(p, precond_dtype)
-            return torch.zeros(working_shape(p.shape, merge_dims), dtype=dtype, device=p.device)
+            return replicated_like(p, torch.zeros(working_shape(p.shape, merge_dims), dtype=dtype, device=p.device))
 
         def factors(p: torch.Tensor | None) -> tuple | None:
             if p is None:
                 return None
             kw = {"dtype": dtype_of_statistics(p, precond_dtype), "device": p.device}
             return tuple(
-                precond_init_scale ** (1 / len(shape)) * (torch.eye(n, **kw) if tri else torch.ones(n, **kw))
+                replicated_like(
+                    p, precond_init_scale ** (1 / len(shape)) * (torch.eye(n, **kw) if tri else torch.ones(n, **kw))
+                )
                 for shape, triangular in plan_of(p.shape).blocks
                 for n, tri in zip(shape, triangular)
             )
@@ -400,17 +436,17 @@ def scale_by_psgd_kron(
             key=torch.tensor(key, dtype=torch.int64),
         )
 
-    def leaf(step: torch.Tensor, g: torch.Tensor, mu: torch.Tensor, factors: tuple, *, index: int) -> tuple:
-        count, update, seed = step.tolist()
+    def leaf(
+        step: torch.Tensor, vectors: list, rebalance: bool, g: torch.Tensor, mu: torch.Tensor, factors: tuple
+    ) -> tuple:
         plan = plan_of(g.shape)
         w = g.reshape(plan.working).to(mu.dtype)
         mu = tree_update_moment(w, mu, b1, 1)
-        m_hat = mu / for_leaf(1 - b1 ** (count + 1), mu)
+        m_hat = mu / for_leaf(bias_correction(b1, step[0] + 1), mu)
         groups = plan.grouped(factors)
-        if update and w.numel():
-            rebalance = w.dim() > 1 and shared(seed, count) < BALANCE_PROBABILITY
+        if vectors and w.numel():
+            rebalance = rebalance and w.dim() > 1  # a vector's one factor has nothing to balance against
             fit_input = plan.split(m_hat if momentum_into_precond_update else w)
-            vectors = normal(seed, count, index, [x.shape for x in fit_input], w.dtype, w.device)
             groups = [
                 fitted(balanced(qs) if rebalance else qs, triangular, x + DAMPING * x.abs().mean() * v, v, precond_lr)
                 for qs, (_, triangular), x, v in zip(groups, plan.blocks, fit_input, vectors)
@@ -421,20 +457,43 @@ def scale_by_psgd_kron(
             u = u * torch.clamp(RMS_LIMIT / (u.square().mean().sqrt() + RMS_EPS), max=1.0)
         return u.reshape(g.shape).to(g.dtype), mu, tuple(q for qs in groups for q in qs)
 
+    def draws_for(step: torch.Tensor, indices: list[int], grads: list, mus: list) -> _Draws:
+        """The step's draws for the leaves at ``indices`` of the tree (each drawing from its index's stream)."""
+        shapes = [[shape for shape, _ in plan_of(g.shape).blocks] for g in grads]
+        return step_draws(step, indices, shapes, mus)
+
+    def tree_draws(step: torch.Tensor, updates: PyTree, params: PyTree | None, mu: PyTree) -> _Draws:
+        """``draws_for`` every leaf with a gradient."""
+        grads, (mus,), _ = flatten_state(updates, params, mu)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        return draws_for(step, present, [grads[i] for i in present], [mus[i] for i in present])
+
+    # the host reads and draws run outside torch.compile's graphs (dynamo does not trace torch.Generator); disabled
+    # here, not where they are defined, so that importing fadam does not import dynamo
+    tree_draws_outside_graphs = torch.compiler.disable(tree_draws)
+
+    def leaves(step: torch.Tensor, indices: list[int], rows: list[tuple], draws: _Draws | None) -> list[tuple]:
+        """Every leaf's step from the step's draws (``None``: this member's own, drawn here)."""
+        if draws is None:
+            draws = draws_for(step, indices, [g for g, _, _ in rows], [mu for _, mu, _ in rows])
+        return [leaf(step, vectors, draws.rebalance, *row) for vectors, row in zip(draws.vectors, rows)]
+
     def update(
         updates: PyTree, state: ScaleByPsgdKronState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByPsgdKronState]:
         check_state(state, ScaleByPsgdKronState, "scale_by_psgd_kron")
-        grads, (mus, factors), spec = flatten_state(updates, params, state.mu, state.preconditioners)
         p = schedule(state.count) if callable(schedule) else schedule
         counter = state.update_counter + 1
         do_update = counter >= 1 / p
         # what every leaf reads of this step, as one tensor: under vmap each member gets its own
         step = torch.stack([state.count.to(torch.int64), do_update.to(torch.int64), state.key])
-        new = [
-            step_leaves(partial(leaf, index=i), step, [g], [[m], [f]])[0]
-            for i, (g, m, f) in enumerate(zip(grads, mus, factors))
-        ]
+        # the draws of every leaf at once, first: under torch.compile the graph breaks there once, before the rest of
+        # the step is traced; under vmap each member reads its own step and draws in ``leaves``
+        draws = None
+        if torch.compiler.is_compiling() or not is_batchedtensor(step):
+            draws = tree_draws_outside_graphs(step, updates, params, state.mu)
+        grads, (mus, factors), spec = flatten_state(updates, params, state.mu, state.preconditioners)
+        new = step_together(partial(leaves, draws=draws), step, grads, [mus, factors])
         columns = [spec.unflatten(list(column)) for column in zip(*new)] if new else [spec.unflatten([])] * 3
         counter = torch.where(do_update, torch.zeros_like(counter), counter)
         return columns[0], ScaleByPsgdKronState(safe_increment(state.count), counter, *columns[1:], state.key)

@@ -1,9 +1,11 @@
-"""Shampoo's per-dimension preconditioning (``scale_by_shampoo``), and the tensor algebra it shares with SOAP: the
-dims of a leaf that carry a preconditioner, a leaf's Gram matrix along one dim, a matrix applied along one dim, and
-the choice between a step's two outcomes."""
+"""Shampoo's per-dimension preconditioning (``scale_by_shampoo``), and what it shares with SOAP and PSGD Kron: the
+dims of a leaf that carry a preconditioner, a leaf's Gram matrix along one dim, a matrix applied along one dim, the
+choice between a step's two outcomes, and stepping each leaf whole (member by member under vmap, gathered from its
+shards on DTensor params)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -78,20 +80,35 @@ def dtype_of_statistics(p: torch.Tensor, dtype: torch.dtype | None) -> torch.dty
 
 
 def check_matrix_params(params: PyTree, transform: str) -> list[Any]:
-    """The leaves of ``params``, refusing (naming the path) a complex one or a DTensor: the statistics are real
-    matrices over whole dims, which a shard does not hold."""
+    """The leaves of ``params``, refusing (naming the path) a complex one: the statistics are real matrices."""
     leaves = check_params(params)
     for leaf, path in zip(leaves, tree_paths(params)):
-        if leaf is None:
-            continue
-        if leaf.is_complex():
+        if leaf is not None and leaf.is_complex():
             raise UnsupportedParamsError(f"{transform} takes real params only: param {path} is {leaf.dtype}")
-        if is_dtensor(leaf):
-            raise UnsupportedParamsError(
-                f"{transform} does not support DTensor (FSDP2) params: param {path} is a DTensor, and its "
-                "per-dimension statistics need the whole tensor (give it to another transform with fadam.partition)"
-            )
     return leaves
+
+
+def replicated_like(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x``, a whole statistic of the leaf ``p``, as the state keeps it: on a DTensor param's mesh with ``Replicate``
+    placements (every rank holds all of it, and distributed checkpoints save it once), else as it is."""
+    if not is_dtensor(p):
+        return x
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = p.device_mesh
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _placed_like(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The whole update ``u`` with the DTensor gradient ``g``'s placements: each rank keeps its own part
+    (``Replicate`` to ``Shard`` slices locally, no communication)."""
+    return replicated_like(g, u).redistribute(g.device_mesh, g.placements)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on this rank: a sharded gradient gathered (``full_tensor()``, an all-gather), a
+    replicated statistic its local copy (no communication)."""
+    return x.full_tensor() if is_dtensor(x) else x
 
 
 def check_positive_int(name: str, value: int) -> int:
@@ -131,30 +148,52 @@ class _PerMember(torch.autograd.Function):
 
 def step_leaves(leaf: Callable[..., tuple], count: torch.Tensor, grads: list, parts: list[list]) -> list[tuple]:
     """``leaf(count, g, *state)`` (which returns the update and the new state, shaped as ``(g, *state)``) for every
-    leaf with a gradient; the state stays where there is none. Under ``torch.func.vmap`` each member runs alone
-    (``_PerMember``)."""
-    out = []
-    for g, *state in zip(grads, *parts):
-        if g is None:
-            out.append((None, *state))
-            continue
-        sizes = [len(x) if isinstance(x, tuple) else None for x in (g, *state)]  # a tensor, or a tuple of them
+    leaf with a gradient, as ``step_together`` runs them."""
+    return step_together(lambda c, _, leaves: [leaf(c, *row) for row in leaves], count, grads, parts)
 
-        def run(count: torch.Tensor, *tensors: torch.Tensor, sizes: list = sizes) -> tuple:
-            new = leaf(count, *_grouped(tensors, sizes))
-            # contiguous: LAPACK's eigenvectors are column-major and a rotation leaves a permuted view, and a matmul
-            # rounds by its operands' layout; a member of a batch (a slice of a stack) is contiguous
-            return tuple(t.contiguous() for x in new for t in (x if isinstance(x, tuple) else (x,)))
 
-        tensors = [t for x in (g, *state) for t in (x if isinstance(x, tuple) else (x,))]
-        batched = not torch.compiler.is_compiling() and any(is_batchedtensor(t) for t in (count, *tensors))
-        new = _PerMember.apply(run, count, *tensors) if batched else run(count, *tensors)
-        out.append(_grouped(new, sizes))
+def step_together(fn: Callable[..., list], count: torch.Tensor, grads: list, parts: list[list]) -> list[tuple]:
+    """``fn(count, indices, leaves)`` once over the leaves with a gradient: ``leaves[k]`` is ``(g, *state)`` (each a
+    tensor or a tuple of them) of the leaf at ``indices[k]``, and ``fn`` returns the update and new state of each,
+    shaped alike; the state stays where there is no gradient. Under ``torch.func.vmap`` each member runs alone
+    (``_PerMember``). A DTensor gradient (FSDP2) is gathered whole (one all-gather per leaf: every rank must step)
+    and stepped on every rank with the state's replicated copy, the numbers of one process; the new state is
+    replicated again and the update takes the gradient's placements."""
+    out = [(None, *state) for g, *state in zip(grads, *parts)]
+    indices = [i for i, g in enumerate(grads) if g is not None]
+    rows = [(grads[i], *(part[i] for part in parts)) for i in indices]
+    sizes = [[len(x) if isinstance(x, tuple) else None for x in row] for row in rows]  # a tensor, or a tuple of them
+    widths = [sum(1 if n is None else n for n in row) for row in sizes]
+
+    def run(count: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+        bounds = list(itertools.accumulate(widths, initial=0))
+        leaves = [_grouped(tensors[a:b], row) for a, b, row in zip(bounds, bounds[1:], sizes)]
+        # contiguous: LAPACK's eigenvectors are column-major and a rotation leaves a permuted view, and a matmul
+        # rounds by its operands' layout; a member of a batch (a slice of a stack) is contiguous
+        return tuple(t.contiguous() for row in fn(count, indices, leaves) for t in _flat(row))
+
+    if not rows:
+        return out
+    tensors = [_whole(t) if is_dtensor(row[0]) else t for row in rows for t in _flat(row)]
+    batched = not torch.compiler.is_compiling() and any(is_batchedtensor(t) for t in (count, *tensors))
+    new = _PerMember.apply(run, count, *tensors) if batched else run(count, *tensors)
+    start = 0
+    for i, row, width in zip(indices, sizes, widths):
+        leaf, g = new[start : start + width], grads[i]
+        if is_dtensor(g):
+            leaf = (_placed_like(g, leaf[0]), *(replicated_like(g, t) for t in leaf[1:]))
+        out[i] = _grouped(leaf, row)
+        start += width
     return out
 
 
+def _flat(row: tuple) -> list[torch.Tensor]:
+    """The tensors of ``row`` (tensors and tuples of them), in order."""
+    return [t for x in row for t in (x if isinstance(x, tuple) else (x,))]
+
+
 def _grouped(tensors: Sequence[torch.Tensor], sizes: list[int | None]) -> tuple:
-    """``tensors`` regrouped as ``step_leaves`` flattened them: a tensor where ``sizes`` says ``None``, else a tuple."""
+    """``tensors`` regrouped as ``_flat`` flattened them: a tensor where ``sizes`` says ``None``, else a tuple."""
     out, start = [], 0
     for size in sizes:
         out.append(tensors[start] if size is None else tuple(tensors[start : start + size]))
@@ -283,8 +322,16 @@ def scale_by_shampoo(
     bfloat16 params, the param's dtype otherwise); the update has the param's dtype. Refreshes and the switch to
     preconditioning are decided on the host from a plain step count, computing only what the step needs; under
     ``torch.compile`` (where the count is traced) both outcomes are computed and selected; under ``torch.func.vmap``
-    each member is stepped alone, with the numbers it has outside vmap. Real params only; DTensor (FSDP2) params are
-    refused.
+    each member is stepped alone, with the numbers it has outside vmap. Real params only.
+
+    **FSDP2 / DTensor.** A preconditioner multiplies whole dims, which a shard does not hold: each leaf's gradient is
+    gathered (``full_tensor()``, one all-gather per leaf and step, so every rank must step), the whole step runs on
+    every rank, and each rank keeps its own shard of the update (the gradient's placements). All of the state is
+    replicated on the param's mesh (DTensors with ``Replicate`` placements, which distributed checkpoints save once):
+    the statistics and preconditioners, and also the moments, whose whole is preconditioned each step (sharded, they
+    would need a second gather). Each rank so holds a leaf's whole state: :math:`2\sum_i n_i^2` for the matrices plus
+    one (two with grafting) copies of the leaf, in ``statistics_dtype``, where elementwise state would hold a shard.
+    The numbers are those of one process, bit for bit.
 
     Args:
         b1: decay :math:`\beta_1` of the gradients' EMA (0: the gradient itself).
@@ -330,14 +377,18 @@ def scale_by_shampoo(
         check_matrix_params(params, "scale_by_shampoo")
 
         def moment(p: torch.Tensor | None) -> torch.Tensor | None:
-            return None if p is None else torch.zeros_like(p, dtype=dtype_of_statistics(p, statistics_dtype))
+            if p is None:
+                return None
+            return replicated_like(
+                p, torch.zeros(p.shape, dtype=dtype_of_statistics(p, statistics_dtype), device=p.device)
+            )
 
         def matrices(p: torch.Tensor | None, fill: Callable[..., torch.Tensor]) -> tuple | None:
             if p is None:
                 return None
             dtype = dtype_of_statistics(p, statistics_dtype)
             dims = factor_dims(p.shape, max_dim, precondition_1d)
-            return tuple(fill(p.shape[d], dtype=dtype, device=p.device) for d in dims)
+            return tuple(replicated_like(p, fill(p.shape[d], dtype=dtype, device=p.device)) for d in dims)
 
         return ScaleByShampooState(
             count=zero_count(),

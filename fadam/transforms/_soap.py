@@ -19,6 +19,7 @@ from fadam.transforms._shampoo import (
     factor_dims,
     flatten_state,
     gram,
+    replicated_like,
     step_leaves,
     when,
 )
@@ -166,7 +167,16 @@ def scale_by_soap(
     Eigendecompositions and refreshes run only on the steps that need them; under ``torch.compile`` (where the count
     is traced) both outcomes are computed and selected; under ``torch.func.vmap`` each member is stepped alone, with
     the numbers it has outside vmap (batched matrix routines round differently, and low-rank statistics leave their
-    eigenbasis to rounding). Real params only; DTensor (FSDP2) params are refused.
+    eigenbasis to rounding). Real params only.
+
+    **FSDP2 / DTensor.** The statistics and rotations span whole dims, which a shard does not hold: each leaf's
+    gradient is gathered (``full_tensor()``, one all-gather per leaf and step, so every rank must step), the whole
+    step runs on every rank, and each rank keeps its own shard of the update (the gradient's placements). All of the
+    state is replicated on the param's mesh (DTensors with ``Replicate`` placements, which distributed checkpoints
+    save once): the statistics and eigenbases, and also the moments, which live in the eigenbasis, not in the
+    param's (a shard of them is no shard of the param). Each rank so holds a leaf's whole state: two copies of the
+    leaf and :math:`2\sum_i n_i^2` for the matrices, in ``statistics_dtype``, where Adam would hold two shards. The
+    numbers are those of one process, bit for bit.
 
     Args:
         betas: :math:`(\beta_1, \beta_2)`, Adam's decays.
@@ -217,14 +227,14 @@ def scale_by_soap(
             if p is None:
                 return None
             dtype = dtype_of_statistics(p, statistics_dtype)
-            return torch.zeros(layout_of(p)[0].working, dtype=dtype, device=p.device)
+            return replicated_like(p, torch.zeros(layout_of(p)[0].working, dtype=dtype, device=p.device))
 
         def matrices(p: torch.Tensor | None, fill: Any) -> tuple | None:
             if p is None:
                 return None
             layout, dims = layout_of(p)
             dtype = dtype_of_statistics(p, statistics_dtype)
-            return tuple(fill(layout.working[d], dtype=dtype, device=p.device) for d in dims)
+            return tuple(replicated_like(p, fill(layout.working[d], dtype=dtype, device=p.device)) for d in dims)
 
         return ScaleBySoapState(
             count=zero_count(),

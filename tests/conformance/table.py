@@ -35,6 +35,9 @@ class Row:
     sharded: bool = True
     # hyperparameters that replace some of ``kwargs`` on the convergence problems (test_converges)
     converge_kwargs: dict[str, Any] = field(default_factory=dict)
+    # why torch.compile cannot trace a step into one graph, where the design reads the step's decisions on the host
+    # (test_compiles_into_one_graph then compiles it with its graph breaks and checks the eager numbers)
+    graph_breaks: str | None = None
 
     def build(self, **overrides: Any) -> fadam.GradientTransformation:
         return self.make(**{**self.kwargs, **overrides})

@@ -279,15 +279,16 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 def test_compiles_into_one_graph(row, mode):
     """``torch.compile(fullgraph=True)`` traces a whole step (``update`` and ``apply_updates``, or ``fadam.step`` with
     donated buffers; without donation it traces as ``update`` does) without a graph break, compiles once for all steps
-    (the count is a tensor), and gives the eager results. Paged rows keep their state in storage outside the traced
-    tensors and are not compiled."""
+    (the count is a tensor), and gives the eager results. A row with ``graph_breaks`` (its reason) compiles with
+    them: more than one graph, the eager results. Paged rows keep their state in storage outside the traced tensors
+    and are not compiled."""
     params = _tree(torch.float64, row.complex_params)
     grads = _grads(params, 3)
     tx = row.build()
     torch.compiler.reset()  # one code object per row's train_step: rows would add up to dynamo's recompile limit
     counter = CompileCounter()  # runs the traced graph eagerly: this checks tracing, not inductor's code
 
-    @torch.compile(backend=counter, fullgraph=True)
+    @torch.compile(backend=counter, fullgraph=row.graph_breaks is None)
     def train_step(params: Any, grads: Any, state: Any) -> tuple[Any, Any]:
         if mode != "update":
             return fadam.step(tx, params, grads, state, donate=mode == "donate")
@@ -298,7 +299,10 @@ def test_compiles_into_one_graph(row, mode):
     state = tx.init(compiled)
     for g in grads:
         compiled, state = train_step(compiled, g, state)
-    assert counter.frame_count == 1, f"compiled {counter.frame_count} graphs for 3 steps"
+    if row.graph_breaks is None:
+        assert counter.frame_count == 1, f"compiled {counter.frame_count} graphs for 3 steps"
+    else:
+        assert counter.frame_count > 1, f"one graph for 3 steps, where the row breaks graphs: {row.graph_breaks}"
     err, where = max_rel_err(compiled, _run(row, params, grads, mode)[0])
     assert err <= 1e-12, f"compiled run differs from eager by {err:.2e} at {where}"
 
