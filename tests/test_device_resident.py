@@ -34,6 +34,9 @@ CHAINS: dict[str, Callable[[], fadam.GradientTransformation]] = {
     ),
     "lion": lambda: fadam.lion(1e-3),
     "inject_hyperparams(adam)": lambda: fadam.inject_hyperparams(fadam.adam)(lr=1e-2, betas=(0.8, 0.9)),
+    "inject_hyperparams(adam, schedule)": lambda: fadam.inject_hyperparams(fadam.adam)(
+        lr=fadam.linear_schedule(1e-2, 1e-3, 3), weight_decay=0.1
+    ),
     "MultiSteps(adamw)": lambda: fadam.MultiSteps(fadam.adamw(1e-2), 2).gradient_transformation(),
     "apply_if_finite(adamw)": lambda: fadam.apply_if_finite(fadam.adamw(1e-2), 2),
     "partition(adamw, sgd)": lambda: fadam.partition(

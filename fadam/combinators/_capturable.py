@@ -38,10 +38,10 @@ def capturable(tx: GradientTransformation) -> GradientTransformation:
     Wrap the whole transform: the counts of the members ``tx`` holds move with it, and an inner ``capturable`` in a
     chain is an opaque member there. Numbers given to ``inject_hyperparams`` stay numbers on the host, where its
     factory reads them (a captured graph keeps the values it was captured with, as torch.optim keeps its float
-    hyperparameters); its schedules' values are device tensors, which the factory's argument checks read on the host
-    (one host sync for each). A step with extra arguments (``fadam.step(..., value=...)``) or on
-    ``fadam.backend("eager")`` runs ``tx.update`` and returns a new state (``fadam.Optimizer`` copies that into the
-    old one).
+    hyperparameters); its schedules' values are device tensors, which the factory's argument checks then leave
+    unread (as torch.optim's capturable steps leave a tensor lr unchecked). A step with extra arguments
+    (``fadam.step(..., value=...)``) or on ``fadam.backend("eager")`` runs ``tx.update`` and returns a new state
+    (``fadam.Optimizer`` copies that into the old one).
 
     Args:
         tx: the transform to run.
@@ -63,7 +63,7 @@ def capturable(tx: GradientTransformation) -> GradientTransformation:
         raise TypeError(f"capturable expects a GradientTransformation, got {type(tx).__name__}")
 
     def init(params: PyTree) -> PyTree:
-        with torch.device(_device_of(params)):
+        with torch.device(_device_of(params)), resident():
             return tx.init(params)
 
     def update(

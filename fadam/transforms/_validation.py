@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fadam._dispatch import functorch_wrapped
+from fadam._numerics import is_resident
 
 
 class UnsupportedParamsError(ValueError, RuntimeError):
@@ -12,10 +13,16 @@ class UnsupportedParamsError(ValueError, RuntimeError):
     refuses it when the state is initialized, and a ``RuntimeError``, as torch.optim refuses it at its step."""
 
 
+def _unread(x: torch.Tensor) -> bool:
+    """Whether a tensor hyperparameter is left unchecked: inside vmap/grad or while compiling its value cannot be read
+    without a graph break (it is checked outside), and a resident step (``fadam.capturable``) reads nothing on the
+    host, as torch.optim's capturable steps do not read a tensor lr (a schedule's value there is not checked)."""
+    return functorch_wrapped(x) or is_resident()  # functorch_wrapped: always while torch.compile traces
+
+
 def _value(x: float | torch.Tensor, name: str) -> float:
     if isinstance(x, torch.Tensor):
-        # inside vmap/grad or while compiling the value cannot be read without a graph break; it is checked outside
-        if functorch_wrapped(x):  # always while torch.compile traces
+        if _unread(x):
             return 0.0
         if x.is_meta:
             raise ValueError(f"{name} is a tensor on the meta device, which holds no value: give a number or a tensor")
@@ -25,7 +32,7 @@ def _value(x: float | torch.Tensor, name: str) -> float:
 
 def known_value(x: float | torch.Tensor, unknown: float, name: str = "a hyperparameter") -> float:
     """The value of a hyperparameter, or ``unknown`` inside ``torch.func`` transforms where it cannot be read."""
-    if isinstance(x, torch.Tensor) and functorch_wrapped(x):
+    if isinstance(x, torch.Tensor) and _unread(x):
         return unknown
     return _value(x, name)
 
