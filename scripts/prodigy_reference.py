@@ -5,7 +5,8 @@ Each case steps the reference on the gradients of a noisy quadratic taken at its
 the way a training run moves them and ``d`` grows), and stores those gradients with the results (float64, exact in
 JSON), so the tests replay them without the package or the loss. Recorded after every step: ``d``, ``d_max`` and
 ``d_numerator``; at the checkpoint steps: the params. Some cases give zero gradients for the first steps (prodigyopt
-then takes no step) or no gradient to one param on some steps.
+then takes no step) or no gradient to one param on some steps; one warms the lr up from 0 (a ``LambdaLR`` stepped
+after every step: prodigyopt takes no step, and counts none, while the lr is 0).
 
 Needs prodigyopt, which fadam does not depend on (it is pure Python over torch); run once where it is installed:
     python3 -m venv /tmp/prodigy-venv && /tmp/prodigy-venv/bin/pip install prodigyopt
@@ -46,7 +47,10 @@ CASES: list[tuple[str, dict[str, Any], int, list[int]]] = [
     ),
     ("no-first-moment", {"betas": (0.0, 0.99), "eps": 1e-6, "d0": 1e-4}, 0, []),
     ("zero-start-missing-grads", {"betas": (0.8, 0.95), "d0": 1e-3}, 3, [6, 7, 30]),
+    ("warmup-from-zero-bias-correction", {"use_bias_correction": True, "weight_decay": 0.01}, 0, []),
 ]
+# name -> steps of a linear warmup of the lr from 0 (the factor min(1, n / steps) at the n-th step from 0)
+WARMUP_STEPS = {"warmup-from-zero-bias-correction": 5}
 
 
 def gradient(name: str, p: torch.Tensor, t: int) -> torch.Tensor:
@@ -57,9 +61,10 @@ def gradient(name: str, p: torch.Tensor, t: int) -> torch.Tensor:
     return a * (p - c) + 0.3 * torch.sin(1.7 * t + index)
 
 
-def run(kwargs: dict[str, Any], zero_steps: int, none_steps: list[int]) -> dict[str, Any]:
+def run(kwargs: dict[str, Any], zero_steps: int, none_steps: list[int], warmup: int) -> dict[str, Any]:
     params = {name: torch.tensor(v, dtype=torch.float64, requires_grad=True) for name, v in START.items()}
     opt = prodigyopt.Prodigy(list(params.values()), **kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: min(1.0, n / warmup)) if warmup else None
     grads, trace, checkpoints = [], {"d": [], "d_max": [], "d_numerator": []}, []
     for t in range(1, STEPS + 1):
         step_grads = {}
@@ -73,6 +78,8 @@ def run(kwargs: dict[str, Any], zero_steps: int, none_steps: list[int]) -> dict[
             p.grad = g.clone()  # prodigyopt adds the coupled decay into p.grad
         grads.append(step_grads)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         group = opt.param_groups[0]
         for key in trace:
             trace[key].append(float(group[key]))
@@ -84,8 +91,10 @@ def run(kwargs: dict[str, Any], zero_steps: int, none_steps: list[int]) -> dict[
 def main() -> None:
     cases = []
     for name, kwargs, zero_steps, none_steps in CASES:
-        result = run(kwargs, zero_steps, none_steps)
-        cases.append({"name": name, "kwargs": kwargs, "zero_steps": zero_steps, "none_steps": none_steps, **result})
+        warmup = WARMUP_STEPS.get(name, 0)
+        result = run(kwargs, zero_steps, none_steps, warmup)
+        case = {"name": name, "kwargs": kwargs, "zero_steps": zero_steps, "none_steps": none_steps}
+        cases.append({**case, **({"warmup_steps": warmup} if warmup else {}), **result})
     out = {
         "prodigyopt_version": version("prodigyopt"),
         "torch_version": torch.__version__,

@@ -36,6 +36,8 @@ def _prodigy_kwargs(case: dict) -> dict[str, Any]:
     kwargs = dict(case["kwargs"])
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    if "warmup_steps" in case:  # the reference's LambdaLR, min(1, n / steps) at the n-th step from 0
+        kwargs["lr"] = lambda count, steps=case["warmup_steps"]: (count.to(torch.float64) / steps).clamp(max=1.0)
     return kwargs
 
 
@@ -80,11 +82,24 @@ def test_prodigy_zero_gradients_take_no_step_and_missing_ones_are_left_out():
     state = tx.init(params)
     zeros = {name: torch.zeros_like(p) for name, p in params.items()}
     updates, state = tx.update(zeros, state, params)
-    assert int(state.count) == 0 and float(state.d) == case["kwargs"]["d0"]
+    assert (int(state.count), int(state.k)) == (1, 0) and float(state.d) == case["kwargs"]["d0"]
     assert all(torch.equal(u, torch.zeros_like(u)) for u in updates.values())
     updates, state = tx.update({**zeros, "b": None, "w": torch.ones_like(params["w"])}, state, params)
     assert updates["b"] is None and torch.equal(state.exp_avg_sq["b"], torch.zeros(3, dtype=torch.float64))
-    assert int(state.count) == 1
+    assert (int(state.count), int(state.k)) == (2, 1)
+
+
+def test_prodigy_warmup_from_zero_moves_after_its_first_step():
+    """A schedule reads every step taken (a torch.optim scheduler's count), the bias correction only the steps that
+    moved: the lr of 0 at step 0 moves nothing, the next steps move (the reference's numbers: the trajectory test)."""
+    case = next(c for c in PRODIGY["cases"] if "warmup_steps" in c)
+    tx = fadam.prodigy(**_prodigy_kwargs(case))
+    start = {name: _f64(v) for name, v in PRODIGY["start"].items()}
+    params, state = start, tx.init(start)
+    for t, step_grads in enumerate(case["grads"][:3], start=1):
+        params, state = fadam.step(tx, params, {name: _f64(g) for name, g in step_grads.items()}, state)
+        moved = any(not torch.equal(params[name], p) for name, p in start.items())
+        assert moved == (t > 1) and (int(state.count), int(state.k)) == (t, t - 1)
 
 
 def test_prodigy_comparison_can_fail():

@@ -16,9 +16,10 @@ from fadam.transforms._validation import check_state, check_unit_interval, known
 
 
 class ProdigyState(NamedTuple):
-    # the four scalars live on the params' device (the first leaf's): they follow from sums over the params, and
-    # whether a step moved (which advances the count) is decided there, with no host read
-    count: torch.Tensor  # 0-d int32: steps that moved the params (prodigyopt's ``k``)
+    # the scalars live on the params' device (the first leaf's): they follow from sums over the params, and whether a
+    # step moved (which advances k) is decided there, with no host read
+    count: torch.Tensor  # 0-d int32: steps taken, moved or not (what a schedule of the lr reads)
+    k: torch.Tensor  # 0-d int32: steps that moved the params (prodigyopt's ``k``, the bias correction's)
     d: torch.Tensor  # 0-d float64: the step size estimate
     d_max: torch.Tensor  # 0-d float64: the largest estimate so far
     d_numerator: torch.Tensor  # 0-d float64: the running sum of weighted <g, p0 - p>
@@ -104,17 +105,22 @@ def prodigy(
     :math:`(d_t/d_0)\, d_t\, g_t` (no lr). With :math:`\beta_1 = 0` there is no first moment and the numerator is
     :math:`d_{t+1} g_t`. Sums run over every element of every leaf (complex leaves as pairs of reals), in float64
     (the products of :math:`\langle g_t, x_0 - x_t \rangle` rounded to the params' dtype, as prodigyopt's ``dot``).
-    A step where :math:`\|s_t\|_1 = 0` (no nonzero gradient yet) moves nothing and leaves :math:`d` and the count
+    A step where :math:`\|s_t\|_1 = 0` (no nonzero gradient yet) moves nothing and leaves :math:`d` and :math:`k`
     alone, as does a step with a learning rate of 0; a ``None`` gradient leaves its leaf out of the step and the sums.
+    The :math:`t` of :math:`c_t` is one more than the steps that moved before (prodigyopt's ``k``,
+    ``ProdigyState.k``), while a schedule of the lr reads ``ProdigyState.count``, every step taken, as a torch.optim
+    scheduler stepped after each step does: a warmup from 0 takes its first steps without moving, then moves as
+    prodigyopt does under ``LambdaLR``.
 
     The update needs ``params`` and is written with torch ops on the whole tree (the sums make it one step over all
     leaves, not an elementwise body), with no host reads: it runs under ``torch.func.vmap``, ``grad`` and
-    ``torch.compile``. The state's scalars (the count included) live on the first param's device, where the sums
+    ``torch.compile``. The state's scalars (the counts included) live on the first param's device, where the sums
     decide whether a step moved. Params sharded as DTensors (FSDP2) take each leaf's sums across the mesh, a
     collective per sum: every rank must take the step.
 
     Args:
-        lr: :math:`\gamma`, which multiplies the estimate (leave it at 1): a number or a schedule of the count.
+        lr: :math:`\gamma`, which multiplies the estimate (leave it at 1): a number or a schedule of the count of
+            steps taken.
         betas: decays of the first and second moments.
         beta3: decay of the running sums :math:`r` and :math:`s` (default :math:`\sqrt{\beta_2}`).
         weight_decay: :math:`\lambda`.
@@ -166,8 +172,9 @@ def prodigy(
         home = _home(check_params(params))
         clone = tree_map(lambda p: None if p is None else p.detach().clone(), params)
         exp_avg = tree_map(zeros, params) if b1 > 0 else ()
-        scalars = (zero_count().to(home), _float64(d0, home), _float64(d0, home), _float64(0.0, home))
-        return ProdigyState(*scalars, tree_map(zeros, params), clone, exp_avg, tree_map(zeros, params))
+        counts = (zero_count().to(home), zero_count().to(home))
+        scalars = (_float64(d0, home), _float64(d0, home), _float64(0.0, home))
+        return ProdigyState(*counts, *scalars, tree_map(zeros, params), clone, exp_avg, tree_map(zeros, params))
 
     def update(
         updates: PyTree, state: ProdigyState, params: PyTree | None = None, **_: Any
@@ -179,10 +186,10 @@ def prodigy(
         s_leaves, p0_leaves, v_leaves = (spec.flatten_up_to(tree) for tree in (state.s, state.p0, state.exp_avg_sq))
         m_leaves = spec.flatten_up_to(state.exp_avg) if b1 > 0 else [None] * len(grads)
         home = _home(param_leaves)
-        count, d, d_max, d_numerator = (_to(x, home) for x in state[:4])
+        count, k, d, d_max, d_numerator = (_to(x, home) for x in state[:5])
         rate = lr(count) if callable(lr) else lr
         rate = _to(torch.as_tensor(rate, dtype=torch.float64), home)
-        steps = count.to(torch.float64) + 1
+        steps = k.to(torch.float64) + 1
         correction = (1 - b2**steps) ** 0.5 / (1 - b1**steps) if use_bias_correction else 1.0
         dlr = d * rate * correction
         scale = d / d0 * dlr  # prodigyopt weighs by d / d0 to keep the sums away from tiny values
@@ -212,7 +219,7 @@ def prodigy(
             d_denom = d_denom + _sum(new_s.abs(), home)
             rows.append((g_r, p_r, new_s, new_m, new_v))
 
-        # prodigyopt returns before changing d and the count when no sum has grown (no gradient, or lr 0), and takes
+        # prodigyopt returns before changing d and k when no sum has grown (no gradient, or lr 0), and takes
         # no moment or sum of a step with lr 0
         moved = d_denom > 0
         numerator = d_numerator * b3 + delta_numerator
@@ -255,7 +262,8 @@ def prodigy(
             new_v.append(_kept(leaf_active, v_r, v))
 
         new_state = ProdigyState(
-            torch.where(moved, safe_increment(count), count),
+            safe_increment(count),
+            torch.where(moved, safe_increment(k), k),
             torch.where(moved, d_new, d),
             torch.where(moved, new_d_max, d_max),
             torch.where(moved, numerator, d_numerator),
