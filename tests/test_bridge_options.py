@@ -449,7 +449,7 @@ def test_fused_and_flag_conflicts_raise_as_in_torch_before_anything_changes():
     assert int(opt.tx_states[0][0].count) == 0
 
 
-def test_capturable_refuses_params_off_the_cpu_where_fadam_keeps_step_counts():
+def test_capturable_refuses_params_on_a_device_torch_optim_does_not_capture_on():
     w = torch.nn.Parameter(torch.ones(2, device="meta"))
     with pytest.raises(ValueError, match=r"capturable=True needs the step counts on the params' device"):
         fadam.Optimizer([w], fadam.adam, lr=0.1, capturable=True)
