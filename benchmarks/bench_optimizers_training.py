@@ -124,8 +124,8 @@ def contender(name: str, lr: float, steps: int, adamw_for: AdamWFor, adamw_lr: f
     warmup = max(1, round(WARMUP * steps))
 
     def cosine(peak: float) -> fadam.Schedule:
-        # the warmup starts at peak / warmup, not 0: Prodigy reads its schedule at the count of the steps that moved
-        # the params, and a step at lr 0 moves nothing, so a schedule from 0 would hold it at 0 for good
+        # the warmup starts at peak / warmup, not 0: a first step at lr 0 would spend one step of the budget moving
+        # nothing
         return fadam.warmup_cosine_decay_schedule(peak / warmup, peak, warmup, steps, end_value=END_LR * peak)
 
     recipe = RECIPES[name]
