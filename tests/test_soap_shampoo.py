@@ -435,3 +435,29 @@ def test_dtensor_params_keep_replicated_state_that_round_trips_through_dcp(make:
 def test_bad_hyperparameters_are_refused(make: Callable, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_shampoo_without_grafting_compiles_into_one_graph() -> None:
+    """The battery's Shampoo row grafts Adam; without grafting the state keeps an empty tuple per leaf, which the
+    step carries over as it is: one graph for every step (refreshes and the switch selected in the graph), the eager
+    numbers."""
+    from torch._dynamo.testing import CompileCounter
+
+    tx = fadam.shampoo(0.05, precondition_frequency=2, start_preconditioning_step=2, grafting=None)
+    start = quadratic.start({"matrix": (4, 5), "vector": (3,)})
+    torch.compiler.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def train_step(params: dict, grads: dict, state: Any) -> tuple[dict, Any]:
+        updates, state = tx.update(grads, state, params)
+        return fadam.apply_updates(params, updates), state
+
+    compiled, compiled_state, eager, eager_state = start, tx.init(start), start, tx.init(start)
+    for t in range(1, 6):
+        grads = {k: quadratic.gradient(k, p, t) for k, p in compiled.items()}
+        compiled, compiled_state = train_step(compiled, grads, compiled_state)
+        eager, eager_state = fadam.step(tx, eager, grads, eager_state)
+    assert counter.frame_count == 1
+    for k in start:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-12, atol=1e-12)

@@ -438,7 +438,12 @@ def scale_by_shampoo(
         grads, parts, spec = flatten_state(updates, params, state.mu, state.statistics, state.preconditioners, state.nu)
         count = safe_increment(state.count)  # t, from 1
         new = step_leaves(leaf, count, grads, parts)
-        columns = [spec.unflatten(list(column)) for column in zip(*new)] if new else [spec.unflatten([])] * 5
-        return columns[0], ScaleByShampooState(count, *columns[1:])
+        # without grafting ``nu`` holds an empty tuple per leaf, which never changes: kept as it is (dynamo's pytree
+        # cannot unflatten a tree of empty tuples)
+        kept = 4 if grafting is None else 5
+        columns = (
+            [spec.unflatten(list(column)) for column in list(zip(*new))[:kept]] if new else [spec.unflatten([])] * 5
+        )
+        return columns[0], ScaleByShampooState(count, *columns[1:4], state.nu if grafting is None else columns[4])
 
     return GradientTransformation(init, update)
