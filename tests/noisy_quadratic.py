@@ -51,3 +51,18 @@ def ensemble_and_members(tx: Any, shapes: dict[str, tuple[int, ...]], steps: int
             params, member_state = fadam.step(tx, params, step_grads[i], member_state)
         alone.append(params)
     return stacked, alone
+
+
+def float_state_dtypes_after_bfloat16_steps(tx: Any, shapes: dict[str, tuple[int, ...]], steps: int) -> set:
+    """The dtypes of ``tx``'s floating-point state after ``steps`` on bfloat16 params of ``shapes``, each update
+    checked to be finite bfloat16 on the way."""
+    import fadam
+
+    params = {k: v.to(torch.bfloat16) for k, v in start(shapes).items()}
+    state = tx.init(params)
+    for t in range(1, steps + 1):
+        grads = {k: gradient(k, p.double(), t).bfloat16() for k, p in params.items()}
+        updates, state = tx.update(grads, state, params)
+        assert all(u.dtype == torch.bfloat16 and torch.isfinite(u).all() for u in updates.values())
+        params = fadam.apply_updates(params, updates)
+    return {x.dtype for x in fadam._tree.tree_leaves(state) if isinstance(x, torch.Tensor) and x.is_floating_point()}
