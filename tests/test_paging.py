@@ -355,6 +355,12 @@ def test_a_donated_host_state_is_updated_in_its_own_buffers():
     assert all(torch.equal(a, b) for a, b in zip(new_params, ref_params))
 
 
+@pytest.mark.parametrize("per_leaf", [True, False])
+def test_a_param_on_the_meta_device_is_refused_by_name(per_leaf):
+    with pytest.raises(ValueError, match=r"param \['b'\]: it is on the meta device"):
+        fadam.page_state(fadam.adam(), per_leaf=per_leaf).init({"b": torch.zeros(2, device="meta")})
+
+
 def test_one_chunk_needs_params_on_one_device():
     with pytest.raises(ValueError, match="needs params on one device"):
         fadam.page_state(fadam.adam(), per_leaf=False).init([torch.zeros(2), torch.zeros(2, device="meta")])

@@ -319,6 +319,14 @@ def _refuse_functorch(leaves: list[Any], where: str) -> None:
         )
 
 
+def _refuse_meta(leaves: list[Any], spec: Any) -> None:
+    """A param on the meta device holds no data, so no state of it can be stored (checked before anything is made)."""
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            where = path_str(spec.paths()[index])
+            raise ValueError(f"page_state cannot page the state of param {where}: it is on the meta device (no data)")
+
+
 def leafwise(tx: GradientTransformation) -> bool:
     """Whether ``tx``'s update of a param leaf reads no other leaf, as its declaration shows: every member declares
     per-element math (``fadam._program.Elementwise``) without a reduction over several leaves (``reduce``; a leaf's
@@ -443,7 +451,7 @@ def page_state(
         return [leaves[i] for i in group] if per_leaf else params
 
     def init(params: PyTree) -> PagedState:
-        leaves, _ = tree_flatten(params)
+        leaves, spec = tree_flatten(params)
         _refuse_functorch(leaves, "init")
         if per_leaf:
             groups = _plan(inner, leaves, chunk_bytes)
@@ -453,6 +461,7 @@ def page_state(
                 names = sorted(map(str, devices))
                 raise ValueError(f"page_state with per_leaf=False needs params on one device, got {names}")
             groups = [list(range(len(leaves)))]
+        _refuse_meta(leaves, spec)
         pin = (
             storage == "host"
             and torch.cuda.is_available()
