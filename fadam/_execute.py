@@ -227,7 +227,7 @@ def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_
     """Whether a leaf can take one of torch's fused kernels (``fadam._torch_kernels``): the param, its update and its
     slots plain contiguous tensors of one dtype that the kernels take, on one CPU or CUDA device, that autograd does not
     record. The kernels walk each leaf's tensors as flat arrays of one layout, so a strided view would be written past
-    its elements. (``_walkable``'s conditions, written out: this runs for every leaf of every step.)"""
+    its elements."""
     if u is None:
         return False
     dtype, device = p.dtype, p.device
@@ -236,13 +236,10 @@ def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_
     wrapped, on_cpu = _wrapped_check(), device.type == "cpu"
     for tensor in (*slots, p, u):  # slots first: a quantized one is refused at once
         if (
-            type(tensor) not in PLAIN_TYPES
+            not isinstance(tensor, torch.Tensor)
             or tensor.dtype is not dtype
-            or tensor.layout is not torch.strided
-            or (grad_enabled and tensor.requires_grad)
-            or not tensor.is_contiguous()
             or (not tensor.is_cpu if on_cpu else tensor.device != device)
-            or (wrapped is not None and wrapped(tensor))
+            or not _walkable(tensor, grad_enabled, wrapped)
         ):
             return False
     return True
