@@ -211,7 +211,8 @@ def test_at_most_two_chunks_are_materialized_at_once(monkeypatch, tmp_path):
     peak = [0]
     original = _wrapper._materialize
 
-    def tracking(buffer, chunk, device, streams):
+    def tracking(buffer, chunk, device, streams, views_of=None):
+        # fresh views, not host storage's cached ones (which cost no memory): what is tracked is the pipeline's hold
         tree = original(buffer, chunk, device, streams)
         key = id(chunk)
         tensors = [x for x in fadam._tree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
@@ -234,6 +235,36 @@ def test_at_most_two_chunks_are_materialized_at_once(monkeypatch, tmp_path):
             params, state = fadam.step(tx, params, [torch.ones(1000)] * 12, state, donate=True)
         assert 1 <= peak[0] <= 2, peak[0]
         peak[0] = 0
+
+
+def test_host_views_are_made_once_per_buffer_and_go_with_their_state(monkeypatch):
+    made: list[weakref.ref] = []
+    original = _wrapper._views
+
+    def counting(buffer, chunk):
+        views = original(buffer, chunk)
+        made.extend(weakref.ref(view) for _, view in views)
+        return views
+
+    monkeypatch.setattr(_wrapper, "_views", counting)
+    params = [torch.randn(1000) for _ in range(4)]
+    grads = [torch.ones(1000)] * 4
+    reference = fadam.adamw8bit(1e-2, min_size=0)
+    tx = fadam.page_state(reference, "host", chunk_bytes=5_000)
+    state, expected_state = tx.init(params), reference.init(params)
+    expected = params
+    for step in range(4):  # updates alternate between the two buffers of each chunk; donated steps keep one
+        _, state = tx.update(grads, state, params)
+        _, expected_state = reference.update(grads, expected_state, params)
+        params, state = fadam.step(tx, params, grads, state, donate=True)
+        expected, expected_state = fadam.step(reference, expected, grads, expected_state, donate=True)
+        if step == 1:
+            count = len(made)
+    assert count > 0 and len(made) == count  # no views made after the first two steps
+    assert all(torch.equal(a, b) for a, b in zip(params, expected))
+    del state
+    gc.collect()
+    assert all(view() is None for view in made)  # the transform keeps no view of a dropped state's buffers
 
 
 def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():

@@ -131,6 +131,26 @@ def _views(buffer: torch.Tensor, chunk: _Chunk) -> list[tuple[int, torch.Tensor]
     return found
 
 
+class _HostViews:
+    """The views of each host buffer's chunk leaves, made once per buffer: a buffer is the same tensor at every step
+    of its state, and making the views (a ``split_with_sizes`` of thousands of parts for quantized state) was most of
+    the Python a paged step spends per leaf. An entry lives as long as its buffer (``weakref.finalize``)."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[weakref.ref, _Chunk, list[tuple[int, torch.Tensor]]]] = {}
+
+    def of(self, buffer: torch.Tensor, chunk: _Chunk) -> list[tuple[int, torch.Tensor]]:
+        key = id(buffer)
+        entry = self._found.get(key)
+        if entry is not None and entry[0]() is buffer and entry[1] is chunk:
+            return entry[2]
+        views = _views(buffer, chunk)
+        if entry is None:  # the first entry of this buffer: it goes when the buffer does
+            weakref.finalize(buffer, self._found.pop, key, None)
+        self._found[key] = (weakref.ref(buffer), chunk, views)
+        return views
+
+
 class _Layouts:
     """What a state's layout gives each step (its chunks' leaf places and splits, the param groups), computed once
     per layout: the states of successive steps share their layout's objects."""
@@ -219,11 +239,18 @@ class _Streams:
         self.d2h = torch.cuda.Stream(device)
 
 
-def _materialize(buffer: torch.Tensor, chunk: _Chunk, device: torch.device, streams: _Streams | None) -> PyTree:
-    """One chunk's inner state on ``device``: CPU leaves are views of ``buffer``; device leaves are copies, made on
-    the copy stream when ``streams`` is given (``_pipeline`` makes the compute stream wait for them)."""
+def _materialize(
+    buffer: torch.Tensor,
+    chunk: _Chunk,
+    device: torch.device,
+    streams: _Streams | None,
+    views_of: Callable[[torch.Tensor, _Chunk], list[tuple[int, torch.Tensor]]] = _views,
+) -> PyTree:
+    """One chunk's inner state on ``device``: CPU leaves are views of ``buffer`` (``views_of``'s); device leaves are
+    copies, made on the copy stream when ``streams`` is given (``_pipeline`` makes the compute stream wait for
+    them)."""
     leaves = list(chunk.meta_leaves)
-    views = _views(buffer, chunk)
+    views = views_of(buffer, chunk)
     if device.type == "cpu" and not chunk.dtensors:  # the common case: views only, no per-leaf work
         for index, view in views:
             leaves[index] = view
@@ -446,6 +473,7 @@ def page_state(
 
     layouts = _Layouts()
     held = _HeldFile()
+    host_views = _HostViews()
 
     def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
         return [leaves[i] for i in group] if per_leaf else params
@@ -570,7 +598,7 @@ def page_state(
         try:
             access = _StorageAccess(state, state_file, durable, in_place)
             access.begin()
-            pipeline = _pipeline(access, chunks, groups, grad_leaves)
+            pipeline = _pipeline(access, chunks, groups, grad_leaves, host_views)
             for k in range(len(chunks)):
                 # not enumerate/zip: their cached result tuple keeps the previous chunk alive during the next fetch
                 chunk = next(pipeline)
@@ -704,7 +732,11 @@ class _Fetched:
 
 
 def _pipeline(
-    access: _StorageAccess, chunks: list[_Chunk], groups: list[list[int]], grad_leaves: list[Any]
+    access: _StorageAccess,
+    chunks: list[_Chunk],
+    groups: list[list[int]],
+    grad_leaves: list[Any],
+    host_views: _HostViews,
 ) -> Iterator[_Fetched]:
     """Yields each chunk's state ready for compute, having started the copy of the next one.
 
@@ -719,11 +751,12 @@ def _pipeline(
     devices = [_compute_device(group, grad_leaves) for group in groups]
     pinned = access.file is None and any(b[0].is_pinned() for b in access.state.buffers[:1])
     streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
+    views_of = host_views.of if access.file is None else _views  # a file's windows are mapped anew at every step
 
     def fetch(k: int) -> tuple[PyTree, Any, torch.Tensor]:
         stream = streams.get(devices[k])
         buffer = access.read(k)
-        state = _materialize(buffer, chunks[k], devices[k], stream)
+        state = _materialize(buffer, chunks[k], devices[k], stream, views_of)
         event = stream.h2d.record_event() if stream is not None else None
         return state, event, buffer
 
@@ -786,7 +819,7 @@ def _pipeline(
                     tree = state
                 else:
                     buffer.copy_(source)  # the spare buffer becomes the working copy
-                    tree = _materialize(buffer, chunks[k], devices[k], None)
+                    tree = _materialize(buffer, chunks[k], devices[k], None, views_of)
                 given[:] = tree_flatten(tree)[0]
                 return tree
             # device leaves are already private copies; host-side ones (step counts) still view the storage
