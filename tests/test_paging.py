@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import weakref
@@ -265,6 +266,20 @@ def test_host_views_are_made_once_per_buffer_and_go_with_their_state(monkeypatch
     del state
     gc.collect()
     assert all(view() is None for view in made)  # the transform keeps no view of a dropped state's buffers
+
+
+def test_grads_of_another_kind_of_mapping_pair_with_their_params():
+    # optree orders a dict's keys, an OrderedDict keeps its own order: the leaves are matched by key
+    params = collections.OrderedDict([("b", torch.randn(3)), ("a", torch.randn(2))])
+    grads = {"a": torch.randn(2), "b": torch.randn(3)}
+    reference = fadam.adam(0.1)
+    tx = fadam.page_state(reference, per_leaf=True)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    expected, _ = reference.update(grads, reference.init(params), params)
+    assert type(updates) is collections.OrderedDict and list(updates) == ["b", "a"]
+    assert all(torch.equal(updates[k], expected[k]) for k in params)
+    stepped, _ = fadam.step(tx, params, grads, tx.init(params))
+    assert all(torch.equal(stepped[k], params[k] + expected[k]) for k in params)
 
 
 def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():

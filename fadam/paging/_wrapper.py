@@ -574,24 +574,21 @@ def page_state(
         consume: Callable[[list[int], PyTree], None],
         fused: Callable[[list[int], PyTree, _Fetched], PyTree | None] | None = None,
         in_place: bool = False,
-        checked: bool = False,
+        checked: tuple[list[Any], list[Any]] | None = None,
     ) -> PagedState:
         """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits.
 
         ``fused(group, grads, chunk)``, when given, may instead step the chunk's params with the inner transform's
         fused kernel and return the chunk's new state (``None``: it cannot, take the general path). ``checked``: the
-        caller has matched the updates' tree against the params'.
+        leaves of the updates and of the params from the caller's ``check_leaves``, where there are params.
         """
         if not isinstance(state, PagedState):
             raise ValueError(f"page_state expected a PagedState, got {type(state).__name__}")
-        grad_leaves, _ = tree_flatten(updates)
+        grad_leaves, param_leaves = checked or (tree_flatten(updates)[0], None)
         chunks, groups = layouts.of(state)
         count = sum(len(group) for group in groups)
         if len(grad_leaves) != count:
             raise ValueError(f"updates have {len(grad_leaves)} leaves but the paged state was built for {count} params")
-        if params is not None and not checked:
-            check_leaves(updates, params)
-        param_leaves = tree_flatten(params)[0] if params is not None else None
         if storage == "host" and len(state.buffers) != len(chunks):
             raise ValueError("a host-paged state needs its buffers; was it built with storage='disk'?")
         state_file = held.get(state) if storage == "disk" else None
@@ -624,7 +621,13 @@ def page_state(
     def update(
         updates: PyTree, state: PagedState, params: PyTree | None = None, **extra_args: Any
     ) -> tuple[PyTree, PagedState]:
-        grad_leaves, spec = tree_flatten(updates)
+        # the updates' leaves in the params' order, and the params' structure, where mappings of another kind match
+        checked = None
+        if params is None:
+            grad_leaves, spec = tree_flatten(updates)
+        else:
+            grad_leaves, param_leaves, spec = check_leaves(updates, params)
+            checked = (grad_leaves, param_leaves)
         _refuse_functorch(grad_leaves, "update")
         out: list[Any] = [None] * len(grad_leaves)
         whole: list[PyTree] = []
@@ -636,14 +639,14 @@ def page_state(
             for i, u in zip(group, chunk_updates):
                 out[i] = u
 
-        new_state = run(updates, state, params, extra_args, collect)
+        new_state = run(updates, state, params, extra_args, collect, checked=checked)
         return (whole[0] if whole else spec.unflatten(out)), new_state
 
     def fused_step(params: PyTree, grads: PyTree, state: PagedState, donate: bool) -> tuple[PyTree, PagedState] | None:
         # applies each chunk's updates as soon as they exist, so the full update tree is never materialized
         if not per_leaf:
             return None
-        _, param_leaves, spec = check_leaves(grads, params, what="grads")
+        grad_leaves, param_leaves, spec = check_leaves(grads, params, what="grads")
         new_params = list(param_leaves)
 
         def apply(group: list[int], chunk_updates: list[torch.Tensor | None]) -> None:
@@ -675,7 +678,8 @@ def page_state(
                 new_params[i] = p
             return result[1]
 
-        new_state = run(grads, state, params, {}, apply, fused if fast is not None else None, donate, checked=True)
+        fast_chunk = fused if fast is not None else None
+        new_state = run(grads, state, params, {}, apply, fast_chunk, donate, checked=(grad_leaves, param_leaves))
         return spec.unflatten(new_params), new_state
 
     # Chunks stream between host memory or a file and the device through Python, outside any graph: inside a compiled
