@@ -279,7 +279,8 @@ def test_grads_of_another_kind_of_mapping_pair_with_their_params():
     assert type(updates) is collections.OrderedDict and list(updates) == ["b", "a"]
     assert all(torch.equal(updates[k], expected[k]) for k in params)
     stepped, _ = fadam.step(tx, params, grads, tx.init(params))
-    assert all(torch.equal(stepped[k], params[k] + expected[k]) for k in params)
+    unpaged, _ = fadam.step(reference, params, grads, reference.init(params))  # the same backend as the paged step
+    assert all(torch.equal(stepped[k], unpaged[k]) for k in params)
 
 
 def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
