@@ -57,6 +57,7 @@ from fadam.combinators._masking import _select
 from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise, slot_map
 
 Leaves = list[torch.Tensor | None]
+Checked = tuple[list[Any], list[Any], Any]  # check_leaves' result: the grads' and params' leaves, the params' spec
 
 BACKENDS = ("auto", "eager", "kernel", "triton")
 _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
@@ -386,14 +387,21 @@ class _Step(NamedTuple):
 
 
 def run_step(
-    program: Program, params: PyTree, grads: PyTree, state: PyTree, donate: bool, into: PyTree | None = None
+    program: Program,
+    params: PyTree,
+    grads: PyTree,
+    state: PyTree,
+    donate: bool,
+    into: PyTree | None = None,
+    checked: Checked | None = None,
 ) -> tuple[PyTree, PyTree] | None:
     """One step of ``program`` with the generated kernel where leaves allow it, or ``None`` when no leaf can take it
     (the caller then runs ``update`` and ``apply_updates``). State of another layout also gives ``None``, so that the
     transforms' own checks name what they expected. ``into``: a state laid out as ``state`` whose slot leaves take
     the new slots where the generated kernel computes them (it reads ``state`` and writes there: no copy; torch's
-    fused kernels, which update in place, then do not run); the returned state holds them."""
-    ran = _run(program, grads, state, params, donate, applies=True, into=into)
+    fused kernels, which update in place, then do not run); the returned state holds them. ``checked``: the caller's
+    ``check_leaves(grads, params, what="grads")``, which is then not run again."""
+    ran = _run(program, grads, state, params, donate, applies=True, into=into, checked=checked)
     if ran is None:
         return None
     step, state, spec = ran
@@ -427,11 +435,14 @@ def _run(
     donate: bool,
     applies: bool,
     into: PyTree | None = None,
+    checked: Checked | None = None,
 ) -> tuple[_Step, PyTree, Any] | None:
     # mismatched gradients are named here, as fadam.step's own check; a state of another layout is left to the
     # transforms' updates, which name what they expected
     what = "grads" if applies else "updates"
-    grad_leaves, param_leaves, spec = check_leaves(grads, grads if params is None else params, what=what, sparse=True)
+    grad_leaves, param_leaves, spec = checked or check_leaves(
+        grads, grads if params is None else params, what=what, sparse=True
+    )
     try:
         program, state = program.expanded(state)
         if params is None:
@@ -488,13 +499,20 @@ def _run_opaque(stage: Stage, spec: Any, updates: Leaves, state: Any, params: Py
 
 
 def fast_step(
-    tx: Any, params: PyTree, grads: PyTree, state: PyTree, donate: bool, into: PyTree | None = None
+    tx: Any,
+    params: PyTree,
+    grads: PyTree,
+    state: PyTree,
+    donate: bool,
+    into: PyTree | None = None,
+    checked: Checked | None = None,
 ) -> tuple[PyTree, PyTree] | None:
     """``tx``'s step by the fastest backend these tensors allow (``fadam.backend`` says which may run): a wrapper's own
     step (``FusibleUpdate``), else its program, where each group of leaves takes torch's fused kernel, the generated
     kernel or eager ops; ``None`` where no leaf takes a kernel (the caller runs ``update`` and ``apply_updates``).
     ``into`` (``run_step``'s): where the new state's slots go; a wrapper's own step, which updates its state in
-    place, gets ``state`` copied there first."""
+    place, gets ``state`` copied there first. ``checked``: ``run_step``'s (a wrapper's own step checks for
+    itself)."""
     # while torch.compile traces, a wrapper's step decides for itself (paging runs outside the graph) and the program
     # is left to inductor, which fuses the traced update
     compiling = torch.compiler.is_compiling()
@@ -506,7 +524,7 @@ def fast_step(
         if result is not None:
             return result
     program = getattr(tx.update, "program", None)
-    return None if program is None or compiling else run_step(program, params, grads, state, donate, into)
+    return None if program is None or compiling else run_step(program, params, grads, state, donate, into, checked)
 
 
 def _copied(state: PyTree, into: PyTree) -> PyTree:

@@ -667,11 +667,12 @@ def page_state(
             params_k = [param_leaves[i] for i in group]
             if not donate:
                 params_k = [p.clone() for p in params_k]
+            checked = (grads_k, params_k, tree_flatten(params_k)[1])  # the check of the whole trees covers the chunk
             target = chunk.target()
             if target is not None:  # a file's slot: the step reads the chunk's state and writes its new one there
-                result = fast_step(inner, params_k, grads_k, chunk.state, True, into=target)
+                result = fast_step(inner, params_k, grads_k, chunk.state, True, into=target, checked=checked)
             else:
-                result = fast_step(inner, params_k, grads_k, chunk.owned(), True)
+                result = fast_step(inner, params_k, grads_k, chunk.owned(), True, checked=checked)
             if result is None:
                 return None
             for i, p in zip(group, result[0]):
