@@ -115,6 +115,54 @@ typedef void (*SqrtRows)(int, const void*, void*);  // MKL's vsSqrt / vdSqrt, wh
 typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 """
 
+# A streamed kernel writes its new slots into memory that is not read again soon (a file's other copy): from a
+# scratch row in the L1 cache, with non-temporal stores where the ISA has them (x86's SSE2: the lines are written
+# without being read first), adding each 64-byte row to the Fletcher sums of ``fadam.paging._checksum`` on the way.
+_STREAM = """\
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+static inline void fadam_stream_sum(void* dst, const void* src, int64_t nbytes, uint64_t* sums) {
+  const unsigned char* from = static_cast<const unsigned char*>(src);
+  uint64_t* a = sums;
+  uint64_t* b = sums + 8;
+  const int64_t full = nbytes / 64;
+  for (int64_t r = 0; r < full; ++r) {
+    uint64_t w[8];
+    std::memcpy(w, from + r * 64, 64);
+    for (int l = 0; l < 8; ++l) {
+      a[l] += w[l];
+      b[l] += a[l];
+    }
+  }
+  if (full * 64 < nbytes) {  // a leaf's last, partial row: zero padded
+    uint64_t w[8] = {0};
+    std::memcpy(w, from + full * 64, nbytes - full * 64);
+    for (int l = 0; l < 8; ++l) {
+      a[l] += w[l];
+      b[l] += a[l];
+    }
+  }
+  unsigned char* to = static_cast<unsigned char*>(dst);
+#if defined(__SSE2__)
+  const int64_t head = std::min<int64_t>(nbytes, (16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15);
+  std::memcpy(to, from, head);
+  int64_t j = head;
+  for (; j + 16 <= nbytes; j += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + j), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j)));
+  }
+  std::memcpy(to + j, from + j, nbytes - j);
+#else
+  std::memcpy(to, from, nbytes);
+#endif
+}
+static inline void fadam_stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();  // non-temporal stores are weakly ordered: this thread's are visible before the kernel returns
+#endif
+}
+"""
+
 _BINARY_C = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "gt": ">", "le": "<=", "ge": ">="}
 _UNARY_C = {
     "neg": "-{}",
@@ -287,13 +335,17 @@ class _Scalars(dict):
 
 
 @functools.lru_cache(maxsize=512)
-def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = ()) -> str:
+def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (), streamed: bool = False) -> str:
     """The C++ source of ``traced`` for inputs of ``dtypes`` (in the graph's order; the outputs have their inputs'
     dtypes, the last one the first input's): ``fadam_run(leaves, sizes, pointers, scalars, leaf_scalars, threads,
     sqrt_float, sqrt_double, mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order,
     then the outputs; a quantized slot (``formats``) takes three of each: codes, absmax and map id. Each node is
     computed in its dtype as torch would compute it: float32 and float64 as they are, bfloat16 in float, rounded
-    after every operation."""
+    after every operation.
+
+    ``streamed`` (slots stored as they are, not quantized): the new slots go out through ``fadam_stream_sum``
+    (``_STREAM``), and ``fadam_run`` takes one more argument, ``leaf_sums``, where it puts each leaf's and slot's
+    16 Fletcher sums of the bytes it wrote (``fadam.paging._checksum.leaf_sums``'s numbers), leaf by leaf."""
     from fadam.quantization._maps import INFINITE  # the quantization package builds on the program
 
     graph = traced.graph
@@ -301,6 +353,8 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     formats = formats or (None,) * slots
     first_slot = len(graph.inputs) - slots
     quantized = {k: f for k, f in enumerate(formats) if f is not None}
+    if streamed and quantized:
+        raise ValueError("a streamed kernel stores its slots as they are")
     types = _node_dtypes(traced, dtypes)
     needed = _reachable(traced.outputs)
     mkl_roots = {
@@ -344,6 +398,8 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         return [f"const {ctype(node)} {name} = {value};"]
 
     def store(k: int, node: Node, name: str) -> str:
+        if streamed and k < slots:  # to the scratch row, which ``fadam_stream_sum`` writes out after the loop
+            return f"s{k}[j] = {f'fadam_to_bf16({name})' if types[node.index] == torch.bfloat16 else name};"
         if k in quantized:  # and the block's largest magnitude pattern so far (``_encode_blocks``)
             return (
                 f"const float q{k}_{name} = {name};\n        q{k}[j] = q{k}_{name};\n        "
@@ -364,6 +420,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         names: dict[int, str] = {}
         lines: list[str] = []
         reduced: list[int] = []  # the quantized slots this pass stores
+        streams: list[int] = []  # the streamed slots this pass stores
         for node in graph.nodes:
             index = node.index
             if index not in needed or not node.elementwise:
@@ -380,6 +437,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
             if phase[index] == current and index in output_of:
                 lines.extend(store(k, node, name) for k in output_of[index])
                 reduced += [k for k in output_of[index] if k in quantized]
+                streams += [k for k in output_of[index] if streamed and k < slots]
         lines += [f"a{r.index}[j] = {names[r.args[0].index]};" for r in roots if phase[r.index] == current + 1]
         body = "\n        ".join(lines)
         tops = ", ".join(f"top{k}" for k in reduced)
@@ -394,6 +452,10 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
             after = "".join(f"\n      tops{k}[b0 / {block}] = top{k};" for k in reduced)
             loop = _block_loop(before + loop + after, quantized, INFINITE)
         loops.append(loop)
+        loops += [
+            f"fadam_stream_sum(out{k} + start, s{k}, count * {dtypes[first_slot + k].itemsize}, sums + {16 * k});"
+            for k in streams
+        ]
         for root in roots:
             if phase[root.index] == current + 1:
                 function = "sqrt_double" if types[root.index] == torch.float64 else "sqrt_float"
@@ -440,23 +502,29 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         + (f" uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" if q.bits == 4 else "")
         for k, q in quantized.items()
     ]
+    if streamed:
+        scratch += [f"{_STORED[dtypes[first_slot + k]]} s{k}[{span}];" for k in range(slots)]
     per_leaf = len(graph.leaf_scalars)
     declared = [(op, line.replace("PER_LEAF", str(per_leaf))) for op, line in scalar_names.declarations()]
     step_scalars = [line for op, line in declared if op == "scalar"]
     leaf_loads = [line for op, line in declared if op == "leaf_scalar"]
     newline = "\n  "
+    chunk_open, chunk_close, join = (
+        _stream_sums(slots, chunk, [dtypes[first_slot + k] for k in range(slots)]) if streamed else ("", "", "")
+    )
     return f"""#define FADAM_ATEN_FMA {int(_aten_fma())}
-{_PRELUDE}
+{_PRELUDE}{_STREAM if streamed else ""}
 {_codec_source(quantized.values())}
 extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* pointers, const double* scalars,
                              const double* leaf_scalars, int64_t threads, SqrtRows sqrt_float, SqrtRows sqrt_double,
-                             MklThreads mkl_threads) {{
+                             MklThreads mkl_threads{", uint64_t* leaf_sums" if streamed else ""}) {{
   {newline.join(step_scalars)}
   {_read_maps(map_pointers, width)}
   std::vector<int64_t> first(leaves + 1, 0);  // the first chunk of each leaf
   for (int64_t leaf = 0; leaf < leaves; ++leaf) first[leaf + 1] = first[leaf] + (sizes[leaf] + {chunk} - 1) / {chunk};
   const int64_t chunks = first[leaves];
   const bool mkl = (sqrt_float || sqrt_double) && mkl_threads;
+  {"std::vector<uint64_t> chunk_sums(chunks * " + str(16 * slots) + ");" if streamed else ""}
 #pragma omp parallel num_threads(threads)
   {{
     // MKL would open a parallel region of its own inside each call from this thread
@@ -468,18 +536,47 @@ extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* 
       void* const* pointer = pointers + leaf * {width};
       {(newline + "    ").join(loads + leaf_loads)}
       const int64_t begin = (chunk - first[leaf]) * {chunk};
-      const int64_t end = std::min<int64_t>(begin + {chunk}, sizes[leaf]);
+      const int64_t end = std::min<int64_t>(begin + {chunk}, sizes[leaf]);{chunk_open}
       for (int64_t start = begin; start < end; start += {span}) {{
       const int64_t count = std::min<int64_t>({span}, end - start);
       {(newline + "    ").join(loops)}
-      }}
+      }}{chunk_close}
     }}
+    {"fadam_stream_fence();" if streamed else ""}
     if (mkl) mkl_threads(mkl_before);
   }}
-  {_write_maps(map_pointers, width)}
+  {_write_maps(map_pointers, width)}{join}
   return chunks;
 }}
 """
+
+
+def _stream_sums(slots: int, chunk: int, slot_dtypes: list[torch.dtype]) -> tuple[str, str, str]:
+    """A streamed kernel's sums: zeroed at each chunk's start, kept per chunk at its end, then joined leaf by leaf
+    in order (``fadam.paging._checksum``: a run of rows that ends at row ``end`` of ``rows`` weighs its ``s1`` by
+    ``rows - end`` in the leaf's ``s2``). Every chunk but a leaf's last is whole 64-byte rows."""
+    widths = ", ".join(str(d.itemsize) for d in slot_dtypes)
+    chunk_open = f"\n      uint64_t sums[{16 * slots}] = {{0}};"
+    chunk_close = f"\n      std::memcpy(chunk_sums.data() + chunk * {16 * slots}, sums, sizeof sums);"
+    join = f"""
+  const int64_t widths[{slots}] = {{{widths}}};
+  for (int64_t leaf = 0; leaf < leaves; ++leaf) {{
+    for (int64_t k = 0; k < {slots}; ++k) {{
+      const int64_t rows = (sizes[leaf] * widths[k] + 63) / 64;
+      uint64_t* found = leaf_sums + (leaf * {slots} + k) * 16;
+      std::memset(found, 0, 16 * sizeof(uint64_t));
+      for (int64_t c = first[leaf]; c < first[leaf + 1]; ++c) {{
+        const uint64_t* part = chunk_sums.data() + c * {16 * slots} + k * 16;
+        const int64_t stop = std::min<int64_t>((c - first[leaf] + 1) * {chunk}, sizes[leaf]);
+        const uint64_t after = static_cast<uint64_t>(rows - (stop * widths[k] + 63) / 64);
+        for (int l = 0; l < 8; ++l) {{
+          found[l] += part[l];
+          found[8 + l] += part[8 + l] + after * part[l];
+        }}
+      }}
+    }}
+  }}"""
+    return chunk_open, chunk_close, join
 
 
 def _read_maps(map_pointers: list[tuple[int, int, int]], width: int) -> str:
@@ -747,16 +844,30 @@ def _machine() -> str:
 class Kernel:
     """A compiled segment: ``run`` calls it on a table of leaf pointers."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, streamed: bool = False) -> None:
+        self.streamed = streamed
         self._function = library.fadam_run
-        self._function.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64, *[ctypes.c_void_p] * 3]
+        pointers = 4 if streamed else 3
+        self._function.argtypes = [
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * 4,
+            ctypes.c_int64,
+            *[ctypes.c_void_p] * pointers,
+        ]
         self._function.restype = ctypes.c_int64
         self._library = library  # keeps the library loaded while the function is referenced
         self._mkl = [address or None for address in _mkl_functions()]
 
-    def run(self, leaves: list[list[torch.Tensor]], scalars: list[float], leaf_scalars: list[float]) -> None:
+    def run(
+        self,
+        leaves: list[list[torch.Tensor]],
+        scalars: list[float],
+        leaf_scalars: list[float],
+        sums: torch.Tensor | None = None,
+    ) -> None:
         """Runs on ``leaves`` (per leaf: the inputs, then the outputs, all contiguous, of the kernel's dtype), with
-        ``leaf_scalars`` holding each leaf's own scalars in turn."""
+        ``leaf_scalars`` holding each leaf's own scalars in turn. A streamed kernel puts the sums of the slots it
+        wrote in ``sums`` (int64, contiguous, leaves x slots x 16: ``source``'s ``leaf_sums``)."""
         sizes = array.array("q", [row[0].numel() for row in leaves])
         pointers = array.array("Q", [t.data_ptr() for row in leaves for t in row])
         values = array.array("d", scalars or [0.0])
@@ -771,6 +882,7 @@ class Kernel:
             leaf_values.buffer_info()[0],
             threads,
             *self._mkl,
+            *([sums.data_ptr()] if self.streamed else []),
         )
         if status < 0:
             raise ValueError("quantized state names an unknown map (map_id); nothing was written")
@@ -796,9 +908,9 @@ def _library(text: str) -> ctypes.CDLL | None:
 
 
 @functools.lru_cache(maxsize=512)
-def _load_source(text: str) -> Kernel | None:
+def _load_source(text: str, streamed: bool = False) -> Kernel | None:
     library = _library(text)
-    return None if library is None else Kernel(library)
+    return None if library is None else Kernel(library, streamed)
 
 
 def _compile(compiler: tuple[str, str], text: str, folder: Path, target: Path) -> None:
@@ -819,7 +931,9 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"fadam: {reason}; composed steps run eagerly", stacklevel=4)
 
 
-def load(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = ()) -> Kernel | None:
+def load(
+    traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (), streamed: bool = False
+) -> Kernel | None:
     """The compiled kernel of ``traced`` for inputs of ``dtypes`` and slot ``formats`` (built on first use), or
-    ``None`` without a compiler."""
-    return _load_source(source(traced, dtypes, formats))
+    ``None`` without a compiler; ``streamed``: ``source``'s."""
+    return _load_source(source(traced, dtypes, formats, streamed), streamed)

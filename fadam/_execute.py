@@ -58,6 +58,7 @@ from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expe
 
 Leaves = list[torch.Tensor | None]
 Checked = tuple[list[Any], list[Any], Any]  # check_leaves' result: the grads' and params' leaves, the params' spec
+Written = dict[int, tuple[int, ...]]  # data pointer of a slot leaf written into ``into`` -> its 16 Fletcher sums
 
 BACKENDS = ("auto", "eager", "kernel", "triton")
 _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
@@ -384,6 +385,7 @@ class _Step(NamedTuple):
     applied: list[bool]
     leaves: dict[tuple, _StageLeaves]
     into: dict[tuple, _StageLeaves] | None  # where the new slots go (``run_step``'s ``into``), else None
+    sums: Written | None  # ``run_step``'s ``sums``
 
 
 def run_step(
@@ -394,14 +396,17 @@ def run_step(
     donate: bool,
     into: PyTree | None = None,
     checked: Checked | None = None,
+    sums: Written | None = None,
 ) -> tuple[PyTree, PyTree] | None:
     """One step of ``program`` with the generated kernel where leaves allow it, or ``None`` when no leaf can take it
     (the caller then runs ``update`` and ``apply_updates``). State of another layout also gives ``None``, so that the
     transforms' own checks name what they expected. ``into``: a state laid out as ``state`` whose slot leaves take
     the new slots where the generated kernel computes them (it reads ``state`` and writes there: no copy; torch's
     fused kernels, which update in place, then do not run); the returned state holds them. ``checked``: the caller's
-    ``check_leaves(grads, params, what="grads")``, which is then not run again."""
-    ran = _run(program, grads, state, params, donate, applies=True, into=into, checked=checked)
+    ``check_leaves(grads, params, what="grads")``, which is then not run again. ``sums``: where the C++ kernel,
+    writing slot leaves into ``into``, puts each one's Fletcher sums (``fadam.paging._checksum.leaf_sums``) by its
+    data pointer; a slot leaf written otherwise is not there."""
+    ran = _run(program, grads, state, params, donate, applies=True, into=into, checked=checked, sums=sums)
     if ran is None:
         return None
     step, state, spec = ran
@@ -436,6 +441,7 @@ def _run(
     applies: bool,
     into: PyTree | None = None,
     checked: Checked | None = None,
+    sums: Written | None = None,
 ) -> tuple[_Step, PyTree, Any] | None:
     # mismatched gradients are named here, as fadam.step's own check; a state of another layout is left to the
     # transforms' updates, which name what they expected
@@ -467,7 +473,9 @@ def _run(
     if stage_leaves is None or not _any_fast_leaf(parts, param_leaves, grad_leaves, stage_leaves, applies):
         return None
     count = len(param_leaves)
-    step = _Step(list(param_leaves), list(grad_leaves), list(param_leaves), [False] * count, stage_leaves, into_leaves)
+    step = _Step(
+        list(param_leaves), list(grad_leaves), list(param_leaves), [False] * count, stage_leaves, into_leaves, sums
+    )
     for number, part in enumerate(parts):
         if part.opaque:
             stage = part.stages[0]
@@ -506,13 +514,14 @@ def fast_step(
     donate: bool,
     into: PyTree | None = None,
     checked: Checked | None = None,
+    sums: Written | None = None,
 ) -> tuple[PyTree, PyTree] | None:
     """``tx``'s step by the fastest backend these tensors allow (``fadam.backend`` says which may run): a wrapper's own
     step (``FusibleUpdate``), else its program, where each group of leaves takes torch's fused kernel, the generated
     kernel or eager ops; ``None`` where no leaf takes a kernel (the caller runs ``update`` and ``apply_updates``).
     ``into`` (``run_step``'s): where the new state's slots go; a wrapper's own step, which updates its state in
-    place, gets ``state`` copied there first. ``checked``: ``run_step``'s (a wrapper's own step checks for
-    itself)."""
+    place, gets ``state`` copied there first. ``checked`` and ``sums``: ``run_step``'s (a wrapper's own step checks
+    for itself and puts no sums)."""
     # while torch.compile traces, a wrapper's step decides for itself (paging runs outside the graph) and the program
     # is left to inductor, which fuses the traced update
     compiling = torch.compiler.is_compiling()
@@ -524,7 +533,9 @@ def fast_step(
         if result is not None:
             return result
     program = getattr(tx.update, "program", None)
-    return None if program is None or compiling else run_step(program, params, grads, state, donate, into, checked)
+    if program is None or compiling:
+        return None
+    return run_step(program, params, grads, state, donate, into, checked, sums)
 
 
 def _copied(state: PyTree, into: PyTree) -> PyTree:
@@ -757,7 +768,9 @@ def _run_kernel(
             for slot, quantized in zip(slot_specs, stored)
         )
         low_precision = rounded_tensors and torch.bfloat16 in dtypes
-        kernel = None if low_precision else _generated(device, traced, dtypes, formats if any(stored) else ())
+        # slots written into another place (a file's other copy) stream out, summed for its checksum on the way
+        streamed = step.sums is not None and targets is not None and bool(slot_specs) and not any(stored)
+        kernel = None if low_precision else _generated(device, traced, dtypes, formats if any(stored) else (), streamed)
         if kernel is None:
             _run_eager(part, chosen, scalars, group, step, new_slots)
             continue
@@ -784,7 +797,14 @@ def _run_kernel(
         else:
             host_values = scalar_values(per_stage, traced.graph) if host_values is None else host_values
             values, leaf_values = host_values, [float(v) for v in leaf_values]
-        kernel.run(rows, values, leaf_values)
+        if getattr(kernel, "streamed", False):
+            sums = torch.empty((len(group), len(slot_specs), 16), dtype=torch.int64)
+            kernel.run(rows, values, leaf_values, sums)
+            for written, found in zip(outputs, sums.tolist()):
+                for leaf, numbers in zip(written, found):
+                    step.sums[leaf.data_ptr()] = tuple(n & 0xFFFF_FFFF_FFFF_FFFF for n in numbers)
+        else:
+            kernel.run(rows, values, leaf_values)
         _store(part, chosen, step, new_slots, group, outputs)
         for i, final in zip(group, finals):
             if applies:
@@ -806,13 +826,13 @@ def _scalars_on_device(kernel: Any, per_stage: list[dict], leaf_values: list[Any
 
 
 def _generated(
-    device: torch.device, traced: Any, dtypes: tuple[torch.dtype, ...], formats: tuple
+    device: torch.device, traced: Any, dtypes: tuple[torch.dtype, ...], formats: tuple, streamed: bool = False
 ) -> Kernel | _triton_kernel.TritonKernel | None:
-    """The generated kernel of ``traced`` for leaves on ``device``: C++ on the CPU, else Triton (``generated_route``),
-    whose multiply-adds round as ATen's kernels on that device round them (once on CUDA, where nvcc contracts them;
-    on the CPU as its vectorized build does)."""
+    """The generated kernel of ``traced`` for leaves on ``device``: C++ on the CPU (``streamed``: ``source``'s), else
+    Triton (``generated_route``), whose multiply-adds round as ATen's kernels on that device round them (once on
+    CUDA, where nvcc contracts them; on the CPU as its vectorized build does)."""
     if generated_route(device) == "cpu":
-        return load(traced, dtypes, formats)
+        return load(traced, dtypes, formats, streamed)
     return _triton_kernel.load(traced, dtypes, formats, fma=_aten_fma() if device.type == "cpu" else True)
 
 

@@ -378,6 +378,25 @@ def test_a_fused_disk_step_writes_the_other_slot_only(tmp_path):
         fadam.step(tx, params, _grads(1), second)
 
 
+def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tmp_path, monkeypatch):
+    # the generated kernel sums the moments as it writes them: the commit's byte pass reads only the step counts
+    from fadam.paging import _checksum
+
+    read: list[int] = []
+    original = _checksum.leaf_sums
+    monkeypatch.setattr(_checksum, "leaf_sums", lambda data: read.append(data.numel()) or original(data))
+    path = tmp_path / "s"
+    tx = fadam.paged_adam(lr=1e-2, storage="disk", path=path, chunk_bytes=8192)
+    params, state = _params(), tx.init(_params())
+    read.clear()
+    for step in range(2):
+        params, state = fadam.step(tx, params, _grads(step), state, donate=True)
+    assert read and max(read) <= 8  # a count's bytes, never a moment's
+    state_file = _storage.StateFile.open(str(path))
+    state_file.verify(state_file.latest())  # the kernel's sums are the bytes' checksum
+    state_file.close()
+
+
 def test_a_file_too_large_to_keep_mapped_steps_and_resumes_alike(tmp_path, monkeypatch):
     """A file over a quarter of the available memory is mapped a chunk window at a time: the same numbers, and no
     map of the whole file is made."""

@@ -507,3 +507,45 @@ def test_explain_says_whether_torch_fused_kernel_takes_an_alias_step():
     params["b"] = torch.zeros(4, 2).t()  # torch's kernels walk flat arrays, and so does the generated one
     lines = explain(fadam.adamw(1e-3), params).splitlines()
     assert lines[0].endswith("eager: not contiguous: ['b']") and lines[1].endswith("torch._fused_adamw_: ['w']")
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype"),
+    [
+        *((lambda: fadam.adamw(1e-3), dtype) for dtype in (torch.float32, torch.float64, torch.bfloat16)),
+        (lambda: fadam.lion(1e-3), torch.float32),
+        (lambda: fadam.sgd(0.1, 0.9), torch.float32),
+    ],
+)
+def test_a_streamed_kernel_writes_the_plain_kernels_bytes_and_sums_them_as_the_checksum(make, dtype):
+    from fadam._execute import segments
+    from fadam._program import trace
+    from fadam.paging._checksum import leaf_sums
+
+    tx = make()
+    program, _ = tx.update.program.expanded(tx.init([torch.zeros(1)]))
+    traced = trace(tuple(stage.decl for stage in segments(program)[0].stages), True)
+    inputs, slots = len(traced.graph.inputs), len(traced.outputs) - 1
+    dtypes = (dtype,) * inputs
+    plain, streamed = _cpu_kernel.load(traced, dtypes), _cpu_kernel.load(traced, dtypes, streamed=True)
+    sizes = [1, 7, 3 * _cpu_kernel._CHUNK + 5, 70_001]  # partial rows, several chunks, both threads
+
+    def rows():
+        gen = torch.Generator().manual_seed(0)
+        made = []
+        for n in sizes:
+            given = [torch.randn(n, generator=gen).to(dtype) for _ in range(inputs)]
+            made.append(given + [torch.empty(n, dtype=dtype) for _ in range(slots + 1)])
+        return made
+
+    scalars = [0.5 / (k + 1) for k in range(len(traced.graph.scalars))]
+    expected, found = rows(), rows()
+    plain.run(expected, scalars, [])
+    sums = torch.empty((len(sizes), slots, 16), dtype=torch.int64)
+    streamed.run(found, scalars, [], sums)
+    for i, (want, got) in enumerate(zip(expected, found)):
+        for a, b in zip(want[inputs:], got[inputs:]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for k in range(slots):
+            taken = tuple(n & (1 << 64) - 1 for n in sums[i, k].tolist())
+            assert taken == leaf_sums(got[inputs + k].view(torch.uint8)), (i, k)

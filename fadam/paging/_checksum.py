@@ -120,12 +120,20 @@ class ChunkChecksum:
         self._empty = True
 
     @classmethod
-    def of_leaves(cls, buffer: torch.Tensor, places: Iterable[Any]) -> ChunkChecksum:
+    def of_leaves(
+        cls, buffer: torch.Tensor, places: Iterable[Any], known: dict[int, tuple[int, ...]] | None = None
+    ) -> ChunkChecksum:
         """The checksum of the leaves at ``places`` (their ``offset`` and ``nbytes``) in a chunk's bytes (a contiguous
-        uint8 CPU tensor), leaf after leaf; the padding between them is not part of it."""
-        checksum = cls()
+        uint8 CPU tensor), leaf after leaf; the padding between them is not part of it. ``known``: the sums of
+        leaves already taken as they were written, by the data pointer of the leaf's first byte."""
+        checksum, base = cls(), buffer.data_ptr()
         for place in places:
-            if place.nbytes:
+            if not place.nbytes:
+                continue
+            sums = known.get(base + place.offset) if known else None
+            if sums is not None:
+                checksum.add_sums(place.nbytes, sums)
+            else:
                 checksum.add(buffer[place.offset : place.offset + place.nbytes])
         return checksum
 

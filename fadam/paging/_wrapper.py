@@ -320,9 +320,10 @@ class _StorageAccess:
         checksum needs."""
         self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
 
-    def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace]) -> None:
-        """Chunk ``k``'s new state lies in ``window`` (from ``write``): its checksum, from those bytes."""
-        self.checksums[k] = ChunkChecksum.of_leaves(window, places)
+    def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace], sums: dict[int, tuple[int, ...]]) -> None:
+        """Chunk ``k``'s new state lies in ``window`` (from ``write``): its checksum, from the sums the kernel took
+        of the leaves it wrote there (``sums``, by data pointer) and from the bytes of the others."""
+        self.checksums[k] = ChunkChecksum.of_leaves(window, places, sums)
 
     def advise(self, k: int) -> None:
         if self.file is not None:
@@ -670,7 +671,9 @@ def page_state(
             checked = (grads_k, params_k, tree_flatten(params_k)[1])  # the check of the whole trees covers the chunk
             target = chunk.target()
             if target is not None:  # a file's slot: the step reads the chunk's state and writes its new one there
-                result = fast_step(inner, params_k, grads_k, chunk.state, True, into=target, checked=checked)
+                result = fast_step(
+                    inner, params_k, grads_k, chunk.state, True, into=target, checked=checked, sums=chunk.sums
+                )
             else:
                 result = fast_step(inner, params_k, grads_k, chunk.owned(), True, checked=checked)
             if result is None:
@@ -732,8 +735,10 @@ class _Fetched:
         owned: Callable[[], PyTree],
         target: Callable[[], PyTree | None],
         given: list[Any],
+        sums: dict[int, tuple[int, ...]],
     ) -> None:
         self.state, self.store, self.owned, self.target, self.given = state, store, owned, target, given
+        self.sums = sums  # the checksum sums of the leaves the kernel wrote into ``target``, by data pointer
 
 
 def _pipeline(
@@ -785,6 +790,7 @@ def _pipeline(
         buffer = access.write(k) if access.file is None else None
         working: list[torch.Tensor] = []
         given: list[Any] = []  # the leaves of the CPU working copy ``owned`` handed out, which lie in the storage
+        sums: dict[int, tuple[int, ...]] = {}
 
         def store(
             new_leaves: list[Any],
@@ -793,10 +799,11 @@ def _pipeline(
             stream: Any = stream,
             working: Any = working,
             given: Any = given,
+            sums: Any = sums,
         ) -> None:
             if working:  # disk, updated in its writable map: what is not there yet, then the checksum
                 _write_back(working[0], chunks[k], new_leaves, given)
-                access.stored(k, working[0], chunks[k].places)
+                access.stored(k, working[0], chunks[k].places, sums)
             elif access.file is not None:
                 for place in chunks[k].places:
                     access.store(k, place, _local(new_leaves[place.index]))
@@ -841,8 +848,8 @@ def _pipeline(
             given[:] = tree_flatten(tree)[0]
             return tree
 
-        yield _Fetched(state, store, owned, target, given)
-        del state, buffer, store, owned, target, source, working, given
+        yield _Fetched(state, store, owned, target, given, sums)
+        del state, buffer, store, owned, target, source, working, given, sums
     for stream in streams.values():
         stream.d2h.synchronize()
 
