@@ -22,6 +22,7 @@ donated step's aliasing is checked before (``fadam.step``), for all leaves at on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
@@ -58,7 +59,7 @@ from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expe
 
 Leaves = list[torch.Tensor | None]
 Checked = tuple[list[Any], list[Any], Any]  # check_leaves' result: the grads' and params' leaves, the params' spec
-Written = dict[int, tuple[int, ...]]  # data pointer of a slot leaf written into ``into`` -> its 16 Fletcher sums
+Written = dict[int, bytes]  # data pointer of a slot leaf written into ``into`` -> its 16 Fletcher sums, as in memory
 
 BACKENDS = ("auto", "eager", "kernel", "triton")
 _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
@@ -404,8 +405,8 @@ def run_step(
     the new slots where the generated kernel computes them (it reads ``state`` and writes there: no copy; torch's
     fused kernels, which update in place, then do not run); the returned state holds them. ``checked``: the caller's
     ``check_leaves(grads, params, what="grads")``, which is then not run again. ``sums``: where the C++ kernel,
-    writing slot leaves into ``into``, puts each one's Fletcher sums (``fadam.paging._checksum.leaf_sums``) by its
-    data pointer; a slot leaf written otherwise is not there."""
+    writing slot leaves into ``into``, puts each one's Fletcher sums (``fadam.paging._checksum.leaf_sums``'s 16
+    numbers, their bytes as in memory) by its data pointer; a slot leaf written otherwise is not there."""
     ran = _run(program, grads, state, params, donate, applies=True, into=into, checked=checked, sums=sums)
     if ran is None:
         return None
@@ -800,9 +801,9 @@ def _run_kernel(
         if getattr(kernel, "streamed", False):
             sums = torch.empty((len(group), len(slot_specs), 16), dtype=torch.int64)
             kernel.run(rows, values, leaf_values, sums)
-            for written, found in zip(outputs, sums.tolist()):
-                for leaf, numbers in zip(written, found):
-                    step.sums[leaf.data_ptr()] = tuple(n & 0xFFFF_FFFF_FFFF_FFFF for n in numbers)
+            raw = ctypes.string_at(sums.data_ptr(), sums.numel() * 8)
+            for j, leaf in enumerate(leaf for written in outputs for leaf in written):
+                step.sums[leaf.data_ptr()] = raw[128 * j : 128 * (j + 1)]
         else:
             kernel.run(rows, values, leaf_values)
         _store(part, chosen, step, new_slots, group, outputs)

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 from fadam._cpu_kernel import _library
 
 LANES = 8
+_SIZE, _SUMS, _NATIVE_SUMS = struct.Struct("<q"), struct.Struct(f"<{2 * LANES}Q"), struct.Struct(f"={2 * LANES}Q")
+_SWAPPED = sys.byteorder != "little"  # sums read from memory are then reordered before they are hashed
 _ROW = 8 * LANES  # bytes
 _SERIAL_BELOW = 4 << 20  # bytes: fewer than this are summed on one thread
 
@@ -121,18 +124,19 @@ class ChunkChecksum:
 
     @classmethod
     def of_leaves(
-        cls, buffer: torch.Tensor, places: Iterable[Any], known: dict[int, tuple[int, ...]] | None = None
+        cls, buffer: torch.Tensor, places: Iterable[Any], known: dict[int, bytes] | None = None
     ) -> ChunkChecksum:
         """The checksum of the leaves at ``places`` (their ``offset`` and ``nbytes``) in a chunk's bytes (a contiguous
         uint8 CPU tensor), leaf after leaf; the padding between them is not part of it. ``known``: the sums of
-        leaves already taken as they were written, by the data pointer of the leaf's first byte."""
+        leaves already taken as they were written (16 unsigned 64-bit numbers, in memory's byte order), by the data
+        pointer of the leaf's first byte."""
         checksum, base = cls(), buffer.data_ptr()
         for place in places:
             if not place.nbytes:
                 continue
             sums = known.get(base + place.offset) if known else None
             if sums is not None:
-                checksum.add_sums(place.nbytes, sums)
+                checksum.add_sums(place.nbytes, _NATIVE_SUMS.unpack(sums) if _SWAPPED else sums)
             else:
                 checksum.add(buffer[place.offset : place.offset + place.nbytes])
         return checksum
@@ -140,8 +144,10 @@ class ChunkChecksum:
     def add(self, data: torch.Tensor) -> None:
         self.add_sums(data.numel(), leaf_sums(data))
 
-    def add_sums(self, nbytes: int, sums: tuple[int, ...]) -> None:
-        self._hash.update(struct.pack(f"<q{2 * LANES}Q", nbytes, *sums))
+    def add_sums(self, nbytes: int, sums: tuple[int, ...] | bytes) -> None:
+        """Adds a leaf of ``nbytes`` by its sums: 16 numbers, or their little-endian bytes."""
+        self._hash.update(_SIZE.pack(nbytes))
+        self._hash.update(sums if isinstance(sums, bytes) else _SUMS.pack(*sums))
         self._empty = False
 
     @property
