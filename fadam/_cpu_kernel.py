@@ -4,7 +4,9 @@ The function walks every leaf of a group in one call: the leaves' elements are c
 chunks over threads, and each chunk is one loop that loads the segment's inputs, runs its graph and stores its
 outputs. The compiler vectorizes the loop for the machine it runs on (``-march=native``: AVX2, AVX-512, NEON), with
 ``-ffp-contract=off`` so that every operation rounds once, as the eager torch ops do: the results equal the eager
-path's bit for bit (see ``tests/test_program.py``), whatever the instruction set.
+path's bit for bit (see ``tests/test_program.py``), whatever the instruction set. A *streamed* kernel (``source``'s
+``streamed``, for a disk-paged step, whose new state goes into another copy of it in a file's map) writes its slots
+with non-temporal stores where the ISA has them and sums them for the paged file's checksum as it writes.
 
 Sources are compiled by the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) into a plain shared
 library loaded through ``ctypes``, about a second each, and cached on disk under ``$FADAM_CACHE_DIR`` (default:

@@ -13,7 +13,9 @@ distance times ``d`` is a multiple of 2**64) go unseen. A chunk's checksum is th
 of its leaves' sizes and sums, in order.
 
 The sums are computed by a small C++ function compiled like the generated kernels (``fadam._cpu_kernel``), or, with
-no C++ compiler, by torch ops (the same numbers, several times slower).
+no C++ compiler, by torch ops (the same numbers, several times slower). A disk-paged fused step takes them from the
+generated kernel itself, which adds each row of its new state as it writes it (``fadam._cpu_kernel.source``'s
+``streamed``).
 """
 
 from __future__ import annotations

@@ -411,8 +411,9 @@ def page_state(
     optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
     killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
     is reported as incomplete. Each commit records a 64-bit checksum of every chunk it wrote (two running sums over
-    its 64-bit words, ``fadam.paging._checksum``), computed from the bytes written: one more pass over the state in
-    memory each step, not a read of the file, at memory speed on ``torch.get_num_threads()`` threads;
+    its 64-bit words, ``fadam.paging._checksum``), computed from the bytes written, never read back from the file: a
+    fused step's generated kernel adds up each row of the new state as it writes it (no second pass), other updates
+    take one more pass over the state in memory, at memory speed on ``torch.get_num_threads()`` threads;
     ``resume=True`` reads the committed state once to check it and refuses a file whose data does not match, naming
     the chunk. Updates do not re-check what they read (that would be a second pass over the state every step). A
     file of an older format (1: no checksums; 2: CRC-32 checksums) is refused. An ``init`` on ``path`` removes the
