@@ -803,7 +803,8 @@ def _run_kernel(
             kernel.run(rows, values, leaf_values, sums)
             raw = ctypes.string_at(sums.data_ptr(), sums.numel() * 8)
             for j, leaf in enumerate(leaf for written in outputs for leaf in written):
-                step.sums[leaf.data_ptr()] = raw[128 * j : 128 * (j + 1)]
+                if leaf.numel():  # an empty leaf may start where the next one does
+                    step.sums[leaf.data_ptr()] = raw[128 * j : 128 * (j + 1)]
         else:
             kernel.run(rows, values, leaf_values)
         _store(part, chosen, step, new_slots, group, outputs)

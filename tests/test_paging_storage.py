@@ -397,6 +397,19 @@ def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tm
     state_file.close()
 
 
+def test_a_disk_step_over_empty_leaves_commits_a_checksum_that_verifies(tmp_path):
+    # an empty leaf's state takes no bytes: its place is where the next leaf's (or the next slot's) starts
+    params = [torch.randn(100), torch.randn(0, 3), torch.randn(40), torch.randn(0)]
+    grads = [torch.randn(p.shape) for p in params]
+    path = tmp_path / "s"
+    tx = fadam.paged_adamw(lr=1e-2, storage="disk", path=path)
+    params, state = fadam.step(tx, params, grads, tx.init(params), donate=True)
+    params, state = fadam.step(tx, params, grads, state)
+    state_file = _storage.StateFile.open(str(path))
+    state_file.verify(state_file.latest())
+    state_file.close()
+
+
 def test_a_file_too_large_to_keep_mapped_steps_and_resumes_alike(tmp_path, monkeypatch):
     """A file over a quarter of the available memory is mapped a chunk window at a time: the same numbers, and no
     map of the whole file is made."""
