@@ -514,6 +514,8 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     chunk_open, chunk_close, join = (
         _stream_sums(slots, chunk, [dtypes[first_slot + k] for k in range(slots)]) if streamed else ("", "", "")
     )
+    chunk_table = f"\n  std::vector<uint64_t> chunk_sums(chunks * {16 * slots});" if streamed else ""
+    fence = "\n    fadam_stream_fence();" if streamed else ""
     return f"""#define FADAM_ATEN_FMA {int(_aten_fma())}
 {_PRELUDE}{_STREAM if streamed else ""}
 {_codec_source(quantized.values())}
@@ -525,8 +527,7 @@ extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* 
   std::vector<int64_t> first(leaves + 1, 0);  // the first chunk of each leaf
   for (int64_t leaf = 0; leaf < leaves; ++leaf) first[leaf + 1] = first[leaf] + (sizes[leaf] + {chunk} - 1) / {chunk};
   const int64_t chunks = first[leaves];
-  const bool mkl = (sqrt_float || sqrt_double) && mkl_threads;
-  {"std::vector<uint64_t> chunk_sums(chunks * " + str(16 * slots) + ");" if streamed else ""}
+  const bool mkl = (sqrt_float || sqrt_double) && mkl_threads;{chunk_table}
 #pragma omp parallel num_threads(threads)
   {{
     // MKL would open a parallel region of its own inside each call from this thread
@@ -543,8 +544,7 @@ extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* 
       const int64_t count = std::min<int64_t>({span}, end - start);
       {(newline + "    ").join(loops)}
       }}{chunk_close}
-    }}
-    {"fadam_stream_fence();" if streamed else ""}
+    }}{fence}
     if (mkl) mkl_threads(mkl_before);
   }}
   {_write_maps(map_pointers, width)}{join}
