@@ -44,6 +44,20 @@ def test_the_compiled_sums_on_several_threads_equal_torch_ops(threads, monkeypat
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_sums_of_many_spans_in_one_call_are_each_spans_own(threads, monkeypatch):
+    monkeypatch.setattr(_checksum, "_SERIAL_BELOW", 1000)  # the large span on every thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = _bytes(20_000, seed=3)
+        spans = [(0, 5), (64, 1000), (1088, 0), (1088, 15_000), (16_128, 7)]
+        expected = [_checksum.leaf_sums(data[offset : offset + nbytes]) for offset, nbytes in spans]
+        assert _checksum.spans_sums(data, spans) == expected
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_changed_word_moved_rows_and_a_zeroed_page_change_the_checksum():
     data = _bytes(3 * 4096, seed=1)
     reference = _checksum.leaf_sums(data)

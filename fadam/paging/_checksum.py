@@ -80,30 +80,53 @@ extern "C" void fadam_fletcher(const unsigned char* data, int64_t nbytes, uint64
         sums[8 + l] = s2[l];
     }
 }
+
+// the sums of count leaves, of sizes[i] bytes at base + offsets[i], into sums + 16 * i: one call for a chunk
+extern "C" void fadam_fletcher_leaves(const unsigned char* base, const int64_t* offsets, const int64_t* sizes,
+                                      int64_t count, uint64_t* sums, int64_t threads, int64_t serial_below) {
+    for (int64_t i = 0; i < count; ++i) {
+        fadam_fletcher(base + offsets[i], sizes[i], sums + 16 * i, sizes[i] < serial_below ? 1 : threads);
+    }
+}
 """
 
 
 @functools.cache
-def _compiled() -> Callable[..., None] | None:
+def _compiled() -> tuple[Callable[..., None], Callable[..., None]] | None:
+    """``fadam_fletcher`` and ``fadam_fletcher_leaves``, or ``None`` without a C++ compiler."""
     library = _library(_SOURCE)
     if library is None:
         return None
-    function = library.fadam_fletcher
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    function.restype = None
-    return function
+    one, many = library.fadam_fletcher, library.fadam_fletcher_leaves
+    one.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    many.argtypes = [*[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    one.restype = many.restype = None
+    return one, many
 
 
 def leaf_sums(data: torch.Tensor) -> tuple[int, ...]:
     """``s1`` and ``s2`` (16 unsigned 64-bit numbers) of a contiguous uint8 CPU tensor's bytes."""
     nbytes = data.numel()
-    function = _compiled()
-    if function is not None:
+    compiled = _compiled()
+    if compiled is not None:
         sums = (ctypes.c_uint64 * (2 * LANES))()
         threads = 1 if nbytes < _SERIAL_BELOW else torch.get_num_threads()
-        function(data.data_ptr(), nbytes, sums, threads)
+        compiled[0](data.data_ptr(), nbytes, sums, threads)
         return tuple(sums)
     return _torch_sums(data)
+
+
+def spans_sums(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """``leaf_sums`` of each ``(offset, nbytes)`` span of a contiguous uint8 CPU tensor, in one compiled call."""
+    compiled = _compiled()
+    if compiled is None or not spans:
+        return [leaf_sums(buffer[offset : offset + nbytes]) for offset, nbytes in spans]
+    offsets = (ctypes.c_int64 * len(spans))(*(offset for offset, _ in spans))
+    sizes = (ctypes.c_int64 * len(spans))(*(nbytes for _, nbytes in spans))
+    sums = (ctypes.c_uint64 * (2 * LANES * len(spans)))()
+    compiled[1](buffer.data_ptr(), offsets, sizes, len(spans), sums, torch.get_num_threads(), _SERIAL_BELOW)
+    numbers = list(sums)
+    return [tuple(numbers[2 * LANES * i : 2 * LANES * (i + 1)]) for i in range(len(spans))]
 
 
 def _torch_sums(data: torch.Tensor) -> tuple[int, ...]:
@@ -132,15 +155,16 @@ class ChunkChecksum:
         uint8 CPU tensor), leaf after leaf; the padding between them is not part of it. ``known``: the sums of
         leaves already taken as they were written (16 unsigned 64-bit numbers, in memory's byte order), by the data
         pointer of the leaf's first byte."""
-        checksum, base = cls(), buffer.data_ptr()
-        for place in places:
-            if not place.nbytes:
-                continue
-            sums = known.get(base + place.offset) if known else None
-            if sums is not None:
-                checksum.add_sums(place.nbytes, _NATIVE_SUMS.unpack(sums) if _SWAPPED else sums)
+        checksum, base, known = cls(), buffer.data_ptr(), known or {}
+        filled = [place for place in places if place.nbytes]
+        summed = [(place.offset, place.nbytes) for place in filled if base + place.offset not in known]
+        computed = iter(spans_sums(buffer, summed))
+        for place in filled:
+            sums = known.get(base + place.offset)
+            if sums is None:
+                checksum.add_sums(place.nbytes, next(computed))
             else:
-                checksum.add(buffer[place.offset : place.offset + place.nbytes])
+                checksum.add_sums(place.nbytes, _NATIVE_SUMS.unpack(sums) if _SWAPPED else sums)
         return checksum
 
     def add(self, data: torch.Tensor) -> None:

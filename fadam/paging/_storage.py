@@ -224,6 +224,7 @@ class StateFile:
         self.table_offset = table_offset
         self._maps: dict[bool, mmap.mmap] = {}
         self._mapped_whole = os.fstat(fd).st_size <= _available_memory() // 4
+        self._windows: dict[tuple[int, int, bool], torch.Tensor] = {}  # of the whole file's maps, each made once
 
     # creation ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -270,8 +271,14 @@ class StateFile:
             raise
         return cls(path, fd, file_id, description, table_offset)
 
+    @property
+    def keeps_windows(self) -> bool:
+        """Whether ``window`` gives the same tensor for a window at every call (the whole file is mapped)."""
+        return self._mapped_whole
+
     def close(self) -> None:
         """Closes the file and its maps; a map that a tensor still views is released when the last such tensor dies."""
+        self._windows.clear()  # first: the windows hold the maps' buffers
         for mapped in self._maps.values():
             with suppress(BufferError):
                 mapped.close()
@@ -405,10 +412,15 @@ class StateFile:
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         offset = self.chunk_offsets[chunk] + slot * size
+        found = self._windows.get((chunk, slot, writable))
+        if found is not None:
+            return found
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": by design
             if self._mapped_whole:
-                return torch.frombuffer(self._mapped(writable), dtype=torch.uint8, count=size, offset=offset)
+                found = torch.frombuffer(self._mapped(writable), dtype=torch.uint8, count=size, offset=offset)
+                self._windows[(chunk, slot, writable)] = found
+                return found
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             own = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=prot, offset=offset)
             return torch.frombuffer(own, dtype=torch.uint8)

@@ -131,10 +131,11 @@ def _views(buffer: torch.Tensor, chunk: _Chunk) -> list[tuple[int, torch.Tensor]
     return found
 
 
-class _HostViews:
-    """The views of each host buffer's chunk leaves, made once per buffer: a buffer is the same tensor at every step
-    of its state, and making the views (a ``split_with_sizes`` of thousands of parts for quantized state) was most of
-    the Python a paged step spends per leaf. An entry lives as long as its buffer (``weakref.finalize``)."""
+class _BufferViews:
+    """The views of each storage buffer's chunk leaves, made once per buffer: a host buffer, or a window of a file
+    mapped whole, is the same tensor at every step of its state, and making the views (a ``split_with_sizes`` of
+    thousands of parts for quantized state) was most of the Python a paged step spends per leaf. An entry lives as
+    long as its buffer (``weakref.finalize``)."""
 
     def __init__(self) -> None:
         self._found: dict[int, tuple[weakref.ref, _Chunk, list[tuple[int, torch.Tensor]]]] = {}
@@ -475,7 +476,7 @@ def page_state(
 
     layouts = _Layouts()
     held = _HeldFile()
-    host_views = _HostViews()
+    buffer_views = _BufferViews()
 
     def chunk_params(leaves: list[Any], params: PyTree, group: list[int]) -> PyTree:
         return [leaves[i] for i in group] if per_leaf else params
@@ -597,7 +598,7 @@ def page_state(
         try:
             access = _StorageAccess(state, state_file, durable, in_place)
             access.begin()
-            pipeline = _pipeline(access, chunks, groups, grad_leaves, host_views)
+            pipeline = _pipeline(access, chunks, groups, grad_leaves, buffer_views)
             for k in range(len(chunks)):
                 # not enumerate/zip: their cached result tuple keeps the previous chunk alive during the next fetch
                 chunk = next(pipeline)
@@ -747,7 +748,7 @@ def _pipeline(
     chunks: list[_Chunk],
     groups: list[list[int]],
     grad_leaves: list[Any],
-    host_views: _HostViews,
+    buffer_views: _BufferViews,
 ) -> Iterator[_Fetched]:
     """Yields each chunk's state ready for compute, having started the copy of the next one.
 
@@ -762,7 +763,8 @@ def _pipeline(
     devices = [_compute_device(group, grad_leaves) for group in groups]
     pinned = access.file is None and any(b[0].is_pinned() for b in access.state.buffers[:1])
     streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
-    views_of = host_views.of if access.file is None else _views  # a file's windows are mapped anew at every step
+    # a window of a file too large to stay mapped is mapped anew at every step
+    views_of = buffer_views.of if access.file is None or access.file.keeps_windows else _views
 
     def fetch(k: int) -> tuple[PyTree, Any, torch.Tensor]:
         stream = streams.get(devices[k])
@@ -827,7 +829,7 @@ def _pipeline(
                 if access.file is not None:  # the slot being written, mapped, becomes the working copy
                     working.append(access.write(k))
                     working[0].copy_(source)
-                    tree = _materialize(working[0], chunks[k], devices[k], None)
+                    tree = _materialize(working[0], chunks[k], devices[k], None, views_of)
                 elif buffer.data_ptr() == source.data_ptr():  # donated host state: it is its own working copy
                     tree = state
                 else:
@@ -845,7 +847,7 @@ def _pipeline(
             if access.file is None or devices[k].type != "cpu":
                 return None
             working.append(access.write(k))  # the slot being written, mapped: the new state goes there
-            tree = _materialize(working[0], chunks[k], devices[k], None)
+            tree = _materialize(working[0], chunks[k], devices[k], None, views_of)
             given[:] = tree_flatten(tree)[0]
             return tree
 
