@@ -20,6 +20,7 @@ generated kernel itself, which adds each row of its new state as it writes it (`
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -116,17 +117,20 @@ def leaf_sums(data: torch.Tensor) -> tuple[int, ...]:
     return _torch_sums(data)
 
 
-def spans_sums(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[tuple[int, ...]]:
-    """``leaf_sums`` of each ``(offset, nbytes)`` span of a contiguous uint8 CPU tensor, in one compiled call."""
+def spans_sums(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[bytes]:
+    """``leaf_sums`` of each ``(offset, nbytes)`` span of a contiguous uint8 CPU tensor, in one compiled call, each
+    as its 16 numbers' bytes in memory's order (``ChunkChecksum.add_sums`` takes them so)."""
     compiled = _compiled()
     if compiled is None or not spans:
-        return [leaf_sums(buffer[offset : offset + nbytes]) for offset, nbytes in spans]
-    offsets = (ctypes.c_int64 * len(spans))(*(offset for offset, _ in spans))
-    sizes = (ctypes.c_int64 * len(spans))(*(nbytes for _, nbytes in spans))
-    sums = (ctypes.c_uint64 * (2 * LANES * len(spans)))()
-    compiled[1](buffer.data_ptr(), offsets, sizes, len(spans), sums, torch.get_num_threads(), _SERIAL_BELOW)
-    numbers = list(sums)
-    return [tuple(numbers[2 * LANES * i : 2 * LANES * (i + 1)]) for i in range(len(spans))]
+        return [_NATIVE_SUMS.pack(*leaf_sums(buffer[offset : offset + nbytes])) for offset, nbytes in spans]
+    offsets = array.array("q", [offset for offset, _ in spans])
+    sizes = array.array("q", [nbytes for _, nbytes in spans])
+    sums = array.array("Q", bytes(8 * 2 * LANES * len(spans)))
+    pointers = (offsets.buffer_info()[0], sizes.buffer_info()[0], sums.buffer_info()[0])
+    threads = torch.get_num_threads()
+    compiled[1](buffer.data_ptr(), pointers[0], pointers[1], len(spans), pointers[2], threads, _SERIAL_BELOW)
+    raw = sums.tobytes()
+    return [raw[_NATIVE_SUMS.size * i : _NATIVE_SUMS.size * (i + 1)] for i in range(len(spans))]
 
 
 def _torch_sums(data: torch.Tensor) -> tuple[int, ...]:
@@ -162,9 +166,8 @@ class ChunkChecksum:
         for place in filled:
             sums = known.get(base + place.offset)
             if sums is None:
-                checksum.add_sums(place.nbytes, next(computed))
-            else:
-                checksum.add_sums(place.nbytes, _NATIVE_SUMS.unpack(sums) if _SWAPPED else sums)
+                sums = next(computed)
+            checksum.add_sums(place.nbytes, _NATIVE_SUMS.unpack(sums) if _SWAPPED else sums)
         return checksum
 
     def add(self, data: torch.Tensor) -> None:
