@@ -57,6 +57,7 @@ BYTES = {
     "8 page_state host": ADAMW,  # paging's copies to and from storage are overhead over the in-memory bound
     "8 page_state disk": ADAMW,
     "8 paged_adamw8bit": ADAMW_8BIT,
+    "8 paged_adamw8bit disk": ADAMW_8BIT,
 }
 # Each row's anchor: a torch variant, or (rows 8) the in-memory fadam variant it pages.
 ANCHOR = {
@@ -71,6 +72,7 @@ ANCHOR = {
     "8 page_state host": "5 adamw alias",
     "8 page_state disk": "5 adamw alias",
     "8 paged_adamw8bit": "6 adamw8bit",
+    "8 paged_adamw8bit disk": "6 adamw8bit",
 }
 
 
@@ -113,6 +115,9 @@ def fadam_txs(disk_dir: Path) -> dict[str, Callable[[], fadam.GradientTransforma
         "8 page_state host": lambda: fadam.page_state(fadam.adamw(1e-3), storage="host"),
         "8 page_state disk": lambda: fadam.page_state(fadam.adamw(1e-3), storage="disk", path=disk_dir / "adamw.state"),
         "8 paged_adamw8bit": lambda: fadam.paged_adamw8bit(1e-3, weight_decay=1e-2),
+        "8 paged_adamw8bit disk": lambda: fadam.paged_adamw8bit(
+            1e-3, weight_decay=1e-2, storage="disk", path=disk_dir / "adamw8bit.state"
+        ),
     }
 
 
@@ -226,21 +231,21 @@ def main() -> None:
             firsts[workload], medians[workload] = measure(shapes, args.rounds, disk_dir)
 
     print(f"median ms per step over {args.rounds} interleaved rounds; ratio = fadam / anchor")
-    print(f"{'row':<22}{'workload':<17}{'fadam ms':>9}{'anchor ms':>10}{'ratio':>7}{'bound ms':>9}{'bound/anchor':>13}")
+    print(f"{'row':<24}{'workload':<17}{'fadam ms':>9}{'anchor ms':>10}{'ratio':>7}{'bound ms':>9}{'bound/anchor':>13}")
     for row, nbytes in BYTES.items():
         for workload, ms in medians.items():
             if row not in ms or ANCHOR[row] not in ms:
-                print(f"{row:<22}{workload:<17}  skipped (it or its anchor raised)")
+                print(f"{row:<24}{workload:<17}  skipped (it or its anchor raised)")
                 continue
             fadam_ms, anchor_ms = ms[row], ms[ANCHOR[row]]
             bound_ms = nbytes * ELEMENTS / (bandwidth * 1e9) * 1e3
             print(
-                f"{row:<22}{workload:<17}{fadam_ms:9.1f}{anchor_ms:10.1f}{fadam_ms / anchor_ms:7.2f}"
+                f"{row:<24}{workload:<17}{fadam_ms:9.1f}{anchor_ms:10.1f}{fadam_ms / anchor_ms:7.2f}"
                 f"{bound_ms:9.1f}{bound_ms / anchor_ms:13.2f}"
             )
     print("\nanchors:")
     for row in BYTES:
-        print(f"  {row:<22}{ANCHOR[row]}")
+        print(f"  {row:<24}{ANCHOR[row]}")
 
     print("\nfirst step (s): the first step after init, before warm-up")
     names = list(dict.fromkeys(name for first in firsts.values() for name in first))
