@@ -119,7 +119,7 @@ def leaf_sums(data: torch.Tensor) -> tuple[int, ...]:
 
 def spans_sums(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[bytes]:
     """``leaf_sums`` of each ``(offset, nbytes)`` span of a contiguous uint8 CPU tensor, in one compiled call, each
-    as its 16 numbers' bytes in memory's order (``ChunkChecksum.add_sums`` takes them so)."""
+    as its 16 numbers' bytes in memory's order (as ``ChunkChecksum.of_leaves`` takes them)."""
     compiled = _compiled()
     if compiled is None or not spans:
         return [_NATIVE_SUMS.pack(*leaf_sums(buffer[offset : offset + nbytes])) for offset, nbytes in spans]

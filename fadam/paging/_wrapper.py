@@ -321,7 +321,7 @@ class _StorageAccess:
         checksum needs."""
         self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
 
-    def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace], sums: dict[int, tuple[int, ...]]) -> None:
+    def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace], sums: dict[int, bytes]) -> None:
         """Chunk ``k``'s new state lies in ``window`` (from ``write``): its checksum, from the sums the kernel took
         of the leaves it wrote there (``sums``, by data pointer) and from the bytes of the others."""
         self.checksums[k] = ChunkChecksum.of_leaves(window, places, sums)
@@ -737,7 +737,7 @@ class _Fetched:
         owned: Callable[[], PyTree],
         target: Callable[[], PyTree | None],
         given: list[Any],
-        sums: dict[int, tuple[int, ...]],
+        sums: dict[int, bytes],
     ) -> None:
         self.state, self.store, self.owned, self.target, self.given = state, store, owned, target, given
         self.sums = sums  # the checksum sums of the leaves the kernel wrote into ``target``, by data pointer
@@ -793,7 +793,7 @@ def _pipeline(
         buffer = access.write(k) if access.file is None else None
         working: list[torch.Tensor] = []
         given: list[Any] = []  # the leaves of the CPU working copy ``owned`` handed out, which lie in the storage
-        sums: dict[int, tuple[int, ...]] = {}
+        sums: dict[int, bytes] = {}
 
         def store(
             new_leaves: list[Any],
