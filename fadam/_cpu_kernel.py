@@ -117,34 +117,51 @@ typedef void (*SqrtRows)(int, const void*, void*);  // MKL's vsSqrt / vdSqrt, wh
 typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 """
 
+# The two running sums of ``fadam.paging._checksum`` (its docstring defines them), written once for its own C++
+# function and for the streamed kernels below, which take them of what they write.
+FLETCHER = """\
+// adds nbytes of data, in rows of 64 bytes (the last one zero padded), to the running sums a[8] and b[8]
+static inline void fadam_fletcher_rows(const unsigned char* data, int64_t nbytes, uint64_t* a, uint64_t* b) {
+  const int64_t full = nbytes / 64;
+  for (int64_t r = 0; r < full; ++r) {
+    uint64_t w[8];
+    std::memcpy(w, data + r * 64, 64);
+    for (int l = 0; l < 8; ++l) {
+      a[l] += w[l];
+      b[l] += a[l];
+    }
+  }
+  if (full * 64 < nbytes) {
+    uint64_t w[8] = {0};
+    std::memcpy(w, data + full * 64, nbytes - full * 64);
+    for (int l = 0; l < 8; ++l) {
+      a[l] += w[l];
+      b[l] += a[l];
+    }
+  }
+}
+// adds the sums (a, b) of a run of rows that ``after`` more rows of the whole follow to the whole's (s1, s2)
+static inline void fadam_fletcher_join(uint64_t* s1, uint64_t* s2, const uint64_t* a, const uint64_t* b,
+                                       uint64_t after) {
+  for (int l = 0; l < 8; ++l) {
+    s1[l] += a[l];
+    s2[l] += b[l] + after * a[l];
+  }
+}
+"""
+
 # A streamed kernel writes its new slots into memory that is not read again soon (a file's other copy): from a
 # scratch row in the L1 cache, with non-temporal stores where the ISA has them (x86's SSE2: the lines are written
 # without being read first), adding each 64-byte row to the Fletcher sums of ``fadam.paging._checksum`` on the way.
-_STREAM = """\
+_STREAM = (
+    FLETCHER
+    + """\
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 static inline void fadam_stream_sum(void* dst, const void* src, int64_t nbytes, uint64_t* sums) {
   const unsigned char* from = static_cast<const unsigned char*>(src);
-  uint64_t* a = sums;
-  uint64_t* b = sums + 8;
-  const int64_t full = nbytes / 64;
-  for (int64_t r = 0; r < full; ++r) {
-    uint64_t w[8];
-    std::memcpy(w, from + r * 64, 64);
-    for (int l = 0; l < 8; ++l) {
-      a[l] += w[l];
-      b[l] += a[l];
-    }
-  }
-  if (full * 64 < nbytes) {  // a leaf's last, partial row: zero padded
-    uint64_t w[8] = {0};
-    std::memcpy(w, from + full * 64, nbytes - full * 64);
-    for (int l = 0; l < 8; ++l) {
-      a[l] += w[l];
-      b[l] += a[l];
-    }
-  }
+  fadam_fletcher_rows(from, nbytes, sums, sums + 8);
   unsigned char* to = static_cast<unsigned char*>(dst);
 #if defined(__SSE2__)
   const int64_t head = std::min<int64_t>(nbytes, (16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15);
@@ -164,6 +181,7 @@ static inline void fadam_stream_fence() {
 #endif
 }
 """
+)
 
 _BINARY_C = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "gt": ">", "le": "<=", "ge": ">="}
 _UNARY_C = {
@@ -571,10 +589,7 @@ def _stream_sums(slots: int, chunk: int, slot_dtypes: list[torch.dtype]) -> tupl
         const uint64_t* part = chunk_sums.data() + c * {16 * slots} + k * 16;
         const int64_t stop = std::min<int64_t>((c - first[leaf] + 1) * {chunk}, sizes[leaf]);
         const uint64_t after = static_cast<uint64_t>(rows - (stop * widths[k] + 63) / 64);
-        for (int l = 0; l < 8; ++l) {{
-          found[l] += part[l];
-          found[8 + l] += part[8 + l] + after * part[l];
-        }}
+        fadam_fletcher_join(found, found + 8, part, part + 8, after);
       }}
     }}
   }}"""

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fadam._cpu_kernel import _library
+from fadam._cpu_kernel import FLETCHER, _library
 
 LANES = 8
 _SIZE, _SUMS, _NATIVE_SUMS = struct.Struct("<q"), struct.Struct(f"<{2 * LANES}Q"), struct.Struct(f"={2 * LANES}Q")
@@ -39,11 +39,14 @@ _SWAPPED = sys.byteorder != "little"  # sums read from memory are then reordered
 _ROW = 8 * LANES  # bytes
 _SERIAL_BELOW = 4 << 20  # bytes: fewer than this are summed on one thread
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
+_SOURCE = (
+    r"""
+#include <cstdint>
+#include <cstring>
 #include <omp.h>
-
+"""
+    + FLETCHER
+    + r"""
 // s1[8], then s2[8], of the 64-bit words of data (fadam/paging/_checksum.py says what they are)
 extern "C" void fadam_fletcher(const unsigned char* data, int64_t nbytes, uint64_t* sums, int64_t threads) {
     const int64_t full = nbytes / 64, rows = (nbytes + 63) / 64;
@@ -53,28 +56,15 @@ extern "C" void fadam_fletcher(const unsigned char* data, int64_t nbytes, uint64
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = full * me / team, end = full * (me + 1) / team;
         uint64_t a[8] = {0}, b[8] = {0};
-        for (int64_t r = first; r < end; ++r) {
-            uint64_t w[8];
-            memcpy(w, data + r * 64, 64);
-            for (int l = 0; l < 8; ++l) {
-                a[l] += w[l];
-                b[l] += a[l];
-            }
-        }
+        fadam_fletcher_rows(data + first * 64, (end - first) * 64, a, b);
         // b weighs row r by (end - r); its weight in the whole is (rows - r)
         #pragma omp critical
-        for (int l = 0; l < 8; ++l) {
-            s1[l] += a[l];
-            s2[l] += b[l] + (uint64_t)(rows - end) * a[l];
-        }
+        fadam_fletcher_join(s1, s2, a, b, rows - end);
     }
     if (full < rows) {  // the last, partial row: zero padded, weight 1
-        uint64_t w[8] = {0};
-        memcpy(w, data + full * 64, nbytes - full * 64);
-        for (int l = 0; l < 8; ++l) {
-            s1[l] += w[l];
-            s2[l] += w[l];
-        }
+        uint64_t a[8] = {0}, b[8] = {0};
+        fadam_fletcher_rows(data + full * 64, nbytes - full * 64, a, b);
+        fadam_fletcher_join(s1, s2, a, b, 0);
     }
     for (int l = 0; l < 8; ++l) {
         sums[l] = s1[l];
@@ -90,6 +80,7 @@ extern "C" void fadam_fletcher_leaves(const unsigned char* base, const int64_t* 
     }
 }
 """
+)
 
 
 @functools.cache
