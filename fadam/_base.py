@@ -9,8 +9,8 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
-from fadam._dispatch import can_write_in_place, first_overlap
-from fadam._tree import PyTree, check_leaves, tree_map, tree_paths
+from fadam._dispatch import can_write_in_place, first_overlap, overlap_in_leaves
+from fadam._tree import PyTree, check_leaves, tree_leaves, tree_map, tree_paths
 
 __all__ = [
     "EmptyState",
@@ -220,12 +220,14 @@ def step(
         >>> params["w"]
         tensor([0.5000, 0.5000])
     """
-    if donate and not torch.compiler.is_compiling():
-        donate = not _warn_if_aliased(params, grads, state)
-    if not extra_args:
-        from fadam._execute import fast_step  # _execute builds on the transforms, which build on this module
+    from fadam._execute import fast_step, step_check  # _execute builds on the transforms, which build on this module
 
-        result = fast_step(tx, params, grads, state, donate)
+    checked = None
+    if donate and not torch.compiler.is_compiling():
+        checked = None if extra_args else step_check(tx, params, grads)
+        donate = not _warn_if_aliased(params, grads, state, checked)
+    if not extra_args:
+        result = fast_step(tx, params, grads, state, donate, checked=checked)
         if result is not None:
             return result
     updates, new_state = tx.update(grads, state, params, **extra_args)
@@ -250,14 +252,20 @@ def step(
     return params, new_state
 
 
-def _warn_if_aliased(params: PyTree, grads: PyTree, state: PyTree) -> bool:
+def _warn_if_aliased(params: PyTree, grads: PyTree, state: PyTree, checked: Any = None) -> bool:
     """Whether a donated step's leaves share memory where it would write (``first_overlap``), warning if so (Python's
     default filter shows it once per call site of ``step``): the step then allocates its results, which a caller who
-    donates expects it not to."""
-    found = first_overlap(params, grads, state)
+    donates expects it not to. ``checked``: ``check_leaves(grads, params)``'s result, whose leaves are then read
+    (the grads' in the params' order)."""
+    if checked is None:
+        found = first_overlap(params, grads, state)
+    else:
+        grad_leaves, param_leaves, _ = checked
+        found = overlap_in_leaves([param_leaves, grad_leaves, tree_leaves(state)])
     if found is None:
         return False
-    trees = (params, grads, state)
+    # checked gradients are in the params' order, so the params' paths name them
+    trees = (params, grads if checked is None else params, state)
     names = [f"{_TREE_NAMES[which]}{tree_paths(trees[which])[index]}" for which, index in found]
     warnings.warn(
         f"fadam.step(donate=True): {names[0]} and {names[1]} share memory, so the step does not write into the donated "

@@ -83,16 +83,22 @@ def first_overlap(params: Any, grads: Any, state: Any) -> tuple[tuple[int, int],
     param). Each leaf costs one storage pointer; only leaves of a storage that several use have their byte ranges
     compared, and ranges that meet count as overlapping even where strides interleave their elements. Tensors without
     memory (meta, empty), sparse ones and ``torch.func``-wrapped ones, which no step writes in place, are skipped."""
-    trees = [optree.tree_leaves(tree, none_is_leaf=True) for tree in (params, grads, state)]
-    in_transform = _functorch.maybe_current_level() is not None
-    # one comprehension for the common case, where every pointer is a different storage's
-    pointers = [
-        leaf.untyped_storage().data_ptr()
-        if type(leaf) in PLAIN_TYPES and leaf.layout is torch.strided and not in_transform
-        else _storage_pointer(leaf)
-        for leaves in trees
-        for leaf in leaves
-    ]
+    return overlap_in_leaves([optree.tree_leaves(tree, none_is_leaf=True) for tree in (params, grads, state)])
+
+
+def overlap_in_leaves(trees: list[list[Any]]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """``first_overlap`` of the leaves of the params, the gradients and the state, flattened with ``None`` leaves."""
+    if _functorch.maybe_current_level() is not None:
+        pointers = [_storage_pointer(leaf) for leaves in trees for leaf in leaves]
+    else:  # one comprehension for the common case, where every pointer is a different storage's
+        strided = torch.strided
+        pointers = [
+            leaf.untyped_storage().data_ptr()
+            if type(leaf) in PLAIN_TYPES and leaf.layout is strided
+            else _storage_pointer(leaf)
+            for leaves in trees
+            for leaf in leaves
+        ]
     distinct = set(pointers)
     distinct.discard(0)
     if len(distinct) == len(pointers) - pointers.count(0):

@@ -221,7 +221,8 @@ def _quantized_ready(
     return True
 
 
-_TORCH_KERNEL_DEVICES = ("cpu", "cuda")
+_STRIDED = torch.strided
+_CPU = torch.device("cpu")
 # the leaf dtypes whose reals torch's fused kernels take (a complex leaf runs as its real view)
 _TORCH_KERNEL_LEAF_DTYPES = frozenset({*FUSED_DTYPES, torch.complex32, torch.complex64, torch.complex128})
 
@@ -231,21 +232,36 @@ def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_
     slots plain contiguous tensors of one dtype that the kernels take, on one CPU or CUDA device, that autograd does not
     record. The kernels walk each leaf's tensors as flat arrays of one layout, so a strided view would be written past
     its elements."""
+    return torch_place(p, u, slots, grad_enabled) is not None
+
+
+def torch_place(
+    p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool
+) -> tuple[torch.device, torch.dtype] | None:
+    """The device and dtype of a leaf that can take torch's fused kernels (``torch_ready``), else ``None``. Run for
+    every leaf of every step: one test per attribute, in one loop."""
     if u is None:
-        return False
-    dtype, device = p.dtype, p.device
-    if dtype not in _TORCH_KERNEL_LEAF_DTYPES or device.type not in _TORCH_KERNEL_DEVICES:
-        return False
-    wrapped, on_cpu = _wrapped_check(), device.type == "cpu"
+        return None
+    dtype = p.dtype
+    if dtype not in _TORCH_KERNEL_LEAF_DTYPES:
+        return None
+    on_cpu = p.is_cpu
+    device = _CPU if on_cpu else p.device
+    if not on_cpu and device.type != "cuda":
+        return None
+    wrapped = _wrapped_check()
     for tensor in (*slots, p, u):  # slots first: a quantized one is refused at once
         if (
-            not isinstance(tensor, torch.Tensor)
+            type(tensor) not in PLAIN_TYPES
             or tensor.dtype is not dtype
+            or tensor.layout is not _STRIDED
+            or not tensor.is_contiguous()
+            or (grad_enabled and tensor.requires_grad)
             or (not tensor.is_cpu if on_cpu else tensor.device != device)
-            or not _walkable(tensor, grad_enabled, wrapped)
+            or (wrapped is not None and wrapped(tensor))
         ):
-            return False
-    return True
+            return None
+    return device, dtype
 
 
 def refusal(
@@ -370,6 +386,8 @@ def _is_quantized(node: Any) -> bool:
 
 def _same_place(slot: Any, reference: Any) -> bool:
     """Whether a slot leaf has its param's (or update's) shape and device, as its ``init`` made it."""
+    if isinstance(slot, torch.Tensor) and isinstance(reference, torch.Tensor):  # the common case, checked first
+        return slot.shape == reference.shape and ((slot.is_cpu and reference.is_cpu) or slot.device == reference.device)
     if type(slot) is QuantizedArray and isinstance(reference, torch.Tensor):
         return slot.shape == reference.shape and slot.codes.device == reference.device
     if reference is None or not isinstance(slot, torch.Tensor):
@@ -468,7 +486,7 @@ def _run(
         return None
     check_sparse(program, grad_leaves, spec, params, what=what)  # before anything is written
     # gradients of another dtype than their params: chain casts them first, which the eager path does
-    if params is not None and any(g is not None and g.dtype != p.dtype for g, p in zip(grad_leaves, param_leaves)):
+    if params is not None and any(g is not None and g.dtype is not p.dtype for g, p in zip(grad_leaves, param_leaves)):
         return None
     parts = segments(program)
     if stage_leaves is None or not _any_fast_leaf(parts, param_leaves, grad_leaves, stage_leaves, applies):
@@ -537,6 +555,17 @@ def fast_step(
     if program is None or compiling:
         return None
     return run_step(program, params, grads, state, donate, into, checked, sums)
+
+
+def step_check(tx: Any, params: PyTree, grads: PyTree) -> Checked | None:
+    """``check_leaves(grads, params)`` for a step that ``run_step`` will take (``tx`` a program without a wrapper's
+    own step, on a backend with kernels), so that ``fadam.step`` checks and flattens the trees once for both its
+    aliasing check and the step; else ``None``, leaving the checks to the path that runs."""
+    if _backend.get() == "eager" or getattr(tx.update, "fused_step", None) is not None:
+        return None
+    if getattr(tx.update, "program", None) is None:
+        return None
+    return check_leaves(grads, params, what="grads", sparse=True)
 
 
 def _copied(state: PyTree, into: PyTree) -> PyTree:
@@ -656,9 +685,9 @@ def _run_torch_kernel(
     grad_enabled = torch.is_grad_enabled()
     by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in members:
-        p = step.params[i]
-        if torch_ready(p, step.updates[i], slot_rows[i], grad_enabled):
-            by_place.setdefault((p.device, p.dtype), []).append(i)
+        place = torch_place(step.params[i], step.updates[i], slot_rows[i], grad_enabled)
+        if place is not None:
+            by_place.setdefault(place, []).append(i)
     taken: set[int] = set()
     for (device, dtype), group in by_place.items():
         found = torch_kernel(decls, [stage_states[k] for k in chosen], [scalars[k] for k in chosen], device.type)
