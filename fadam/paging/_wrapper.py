@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import weakref
@@ -246,16 +247,16 @@ def _materialize(
     device: torch.device,
     streams: _Streams | None,
     views_of: Callable[[torch.Tensor, _Chunk], list[tuple[int, torch.Tensor]]] = _views,
-) -> PyTree:
-    """One chunk's inner state on ``device``: CPU leaves are views of ``buffer`` (``views_of``'s); device leaves are
-    copies, made on the copy stream when ``streams`` is given (``_pipeline`` makes the compute stream wait for
-    them)."""
+) -> tuple[PyTree, list[Any]]:
+    """One chunk's inner state on ``device``, and its leaves: CPU leaves are views of ``buffer`` (``views_of``'s);
+    device leaves are copies, made on the copy stream when ``streams`` is given (``_pipeline`` makes the compute
+    stream wait for them)."""
     leaves = list(chunk.meta_leaves)
     views = views_of(buffer, chunk)
     if device.type == "cpu" and not chunk.dtensors:  # the common case: views only, no per-leaf work
         for index, view in views:
             leaves[index] = view
-        return chunk.spec.unflatten(leaves)
+        return chunk.spec.unflatten(leaves), leaves
     for index, view in views:
         if chunk.on_device[index] and device.type != "cpu":
             if streams is not None:
@@ -265,7 +266,7 @@ def _materialize(
                 view = view.to(device)
         meta = chunk.meta_leaves[index]
         leaves[index] = _placed_like(view, meta) if is_dtensor(meta) else view
-    return chunk.spec.unflatten(leaves)
+    return chunk.spec.unflatten(leaves), leaves
 
 
 class _StorageAccess:
@@ -670,7 +671,7 @@ def page_state(
             params_k = [param_leaves[i] for i in group]
             if not donate:
                 params_k = [p.clone() for p in params_k]
-            checked = (grads_k, params_k, tree_flatten(params_k)[1])  # the check of the whole trees covers the chunk
+            checked = (grads_k, params_k, _list_spec(len(params_k)))  # the check of the whole trees covers the chunk
             target = chunk.target()
             if target is not None:  # a file's slot: the step reads the chunk's state and writes its new one there
                 result = fast_step(
@@ -766,17 +767,17 @@ def _pipeline(
     # a window of a file too large to stay mapped is mapped anew at every step
     views_of = buffer_views.of if access.file is None or access.file.keeps_windows else _views
 
-    def fetch(k: int) -> tuple[PyTree, Any, torch.Tensor]:
+    def fetch(k: int) -> tuple[PyTree, list[Any], Any, torch.Tensor]:
         stream = streams.get(devices[k])
         buffer = access.read(k)
-        state = _materialize(buffer, chunks[k], devices[k], stream, views_of)
+        state, leaves = _materialize(buffer, chunks[k], devices[k], stream, views_of)
         event = stream.h2d.record_event() if stream is not None else None
-        return state, event, buffer
+        return state, leaves, event, buffer
 
     written: list[Any] = []
     pending = fetch(0) if chunks else None
     for k in range(len(chunks)):
-        state, event, source = pending
+        state, state_leaves, event, source = pending
         stream = streams.get(devices[k])
         if stream is not None and written and written[-1] is not None:
             written[-1].synchronize()  # bounds the device-resident state to this chunk and the next
@@ -785,7 +786,7 @@ def _pipeline(
             pending = fetch(k + 1)
         if stream is not None:
             stream.main.wait_event(event)
-            for leaf in tree_flatten(state)[0]:
+            for leaf in state_leaves:
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
                     leaf.record_stream(stream.main)
         # host: the buffer the chunk's new state goes to; disk: the writable map of it, made if a fused step on the
@@ -820,6 +821,7 @@ def _pipeline(
         def owned(
             k: int = k,
             state: Any = state,
+            state_leaves: Any = state_leaves,
             buffer: Any = buffer,
             source: Any = source,
             working: Any = working,
@@ -829,30 +831,28 @@ def _pipeline(
                 if access.file is not None:  # the slot being written, mapped, becomes the working copy
                     working.append(access.write(k))
                     working[0].copy_(source)
-                    tree = _materialize(working[0], chunks[k], devices[k], None, views_of)
+                    tree, leaves = _materialize(working[0], chunks[k], devices[k], None, views_of)
                 elif buffer.data_ptr() == source.data_ptr():  # donated host state: it is its own working copy
-                    tree = state
+                    tree, leaves = state, state_leaves
                 else:
                     buffer.copy_(source)  # the spare buffer becomes the working copy
-                    tree = _materialize(buffer, chunks[k], devices[k], None, views_of)
-                given[:] = tree_flatten(tree)[0]
+                    tree, leaves = _materialize(buffer, chunks[k], devices[k], None, views_of)
+                given[:] = leaves
                 return tree
             # device leaves are already private copies; host-side ones (step counts) still view the storage
-            leaves, spec = tree_flatten(state)
-            return spec.unflatten(
-                [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in leaves]
+            return chunks[k].spec.unflatten(
+                [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in state_leaves]
             )
 
         def target(k: int = k, working: Any = working, given: Any = given) -> PyTree | None:
             if access.file is None or devices[k].type != "cpu":
                 return None
             working.append(access.write(k))  # the slot being written, mapped: the new state goes there
-            tree = _materialize(working[0], chunks[k], devices[k], None, views_of)
-            given[:] = tree_flatten(tree)[0]
+            tree, given[:] = _materialize(working[0], chunks[k], devices[k], None, views_of)
             return tree
 
         yield _Fetched(state, store, owned, target, given, sums)
-        del state, buffer, store, owned, target, source, working, given, sums
+        del state, state_leaves, buffer, store, owned, target, source, working, given, sums
     for stream in streams.values():
         stream.d2h.synchronize()
 
@@ -884,6 +884,12 @@ def _write_back_async(buffer: torch.Tensor, chunk: _Chunk, new_leaves: list[Any]
             if leaf.device.type == "cuda":
                 leaf.record_stream(stream.d2h)
     return stream.d2h.record_event()
+
+
+@functools.lru_cache(maxsize=64)
+def _list_spec(length: int) -> Any:
+    """The tree structure of a list of ``length`` leaves (a chunk's params)."""
+    return tree_flatten([None] * length)[1]
 
 
 def _compute_device(group: list[int], grad_leaves: list[Any]) -> torch.device:
