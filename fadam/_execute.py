@@ -62,6 +62,8 @@ Checked = tuple[list[Any], list[Any], Any]  # check_leaves' result: the grads' a
 Written = dict[int, bytes]  # data pointer of a slot leaf written into ``into`` -> its 16 Fletcher sums, as in memory
 
 BACKENDS = ("auto", "eager", "kernel", "triton")
+_STRIDED = torch.strided
+_CPU = torch.device("cpu")
 _backend: ContextVar[str] = ContextVar("fadam_backend", default="auto")
 
 
@@ -186,14 +188,14 @@ def _walkable(tensor: Any, grad_enabled: bool, wrapped: Any) -> bool:
     may walk as a flat array."""
     return (
         type(tensor) in PLAIN_TYPES
-        and tensor.layout is torch.strided
+        and tensor.layout is _STRIDED
         and not (grad_enabled and tensor.requires_grad)
         and tensor.is_contiguous()
         and not (wrapped is not None and wrapped(tensor))
     )
 
 
-_CODE_PARTS = ((torch.uint8, 1), (torch.float32, 1), (torch.uint8, 0))  # codes, absmax, map_id: dtype, dims
+_UINT8, _FLOAT32 = torch.uint8, torch.float32
 
 
 def _quantized_ready(
@@ -201,28 +203,30 @@ def _quantized_ready(
 ) -> bool:
     """Whether a quantized slot leaf can take the kernel: of a real param, its codes, absmax and map id plain
     contiguous tensors of the sizes ``storage`` gives for the param, on the CPU for the C++ kernel (``device``
-    ``None``), else on ``device``, in blocks that the Triton kernel takes."""
+    ``None``), else on ``device``, in blocks that the Triton kernel takes. Run for every slot of every leaf of every
+    step: one test per attribute (integer tensors never require grad)."""
     if storage is None or p.dtype not in KERNEL_DTYPES:
         return False
     if device is not None and not _triton_kernel.takes_blocks(storage.bits, storage.block):
         return False
-    sizes = expected_sizes(p.numel(), storage.bits, storage.block)
+    codes, absmax = expected_sizes(p.numel(), storage.bits, storage.block)
     wrapped = _wrapped_check()
-    for tensor, (dtype, dims), size in zip(q[:3], _CODE_PARTS, (*sizes, 1)):
+    for tensor, dtype, dims, size in ((q[0], _UINT8, 1, codes), (q[1], _FLOAT32, 1, absmax), (q[2], _UINT8, 0, 1)):
         if (
-            not isinstance(tensor, torch.Tensor)
+            type(tensor) not in PLAIN_TYPES
             or tensor.dtype is not dtype
+            or tensor.layout is not _STRIDED
+            or not tensor.is_contiguous()
             or tensor.dim() != dims
             or tensor.numel() != size
-            or not (tensor.is_cpu if device is None else tensor.device == device)
-            or not _walkable(tensor, grad_enabled, wrapped)
+            or (not tensor.is_cpu if device is None else tensor.device != device)
+            or (grad_enabled and dtype is _FLOAT32 and tensor.requires_grad)
+            or (wrapped is not None and wrapped(tensor))
         ):
             return False
     return True
 
 
-_STRIDED = torch.strided
-_CPU = torch.device("cpu")
 # the leaf dtypes whose reals torch's fused kernels take (a complex leaf runs as its real view)
 _TORCH_KERNEL_LEAF_DTYPES = frozenset({*FUSED_DTYPES, torch.complex32, torch.complex64, torch.complex128})
 

@@ -72,11 +72,16 @@ extern "C" void fadam_fletcher(const unsigned char* data, int64_t nbytes, uint64
     }
 }
 
-// the sums of count leaves, of sizes[i] bytes at base + offsets[i], into sums + 16 * i: one call for a chunk
+// the sums of count leaves, of sizes[i] bytes at base + offsets[i], into sums + 16 * i: one call for a chunk; a
+// leaf under serial_below bytes takes one thread, so that the threads share a chunk of many small leaves
 extern "C" void fadam_fletcher_leaves(const unsigned char* base, const int64_t* offsets, const int64_t* sizes,
                                       int64_t count, uint64_t* sums, int64_t threads, int64_t serial_below) {
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < count; ++i) {
-        fadam_fletcher(base + offsets[i], sizes[i], sums + 16 * i, sizes[i] < serial_below ? 1 : threads);
+        if (sizes[i] < serial_below) fadam_fletcher(base + offsets[i], sizes[i], sums + 16 * i, 1);
+    }
+    for (int64_t i = 0; i < count; ++i) {
+        if (sizes[i] >= serial_below) fadam_fletcher(base + offsets[i], sizes[i], sums + 16 * i, threads);
     }
 }
 """
