@@ -318,6 +318,17 @@ class Quantized(NamedTuple):
     block: int
     map_id: int
 
+    @property
+    def span(self) -> int:
+        """Elements per pass of a kernel with this slot: whole blocks, each encoded once its values are known."""
+        return self.block * max(1, _BLOCK // self.block)
+
+    @property
+    def sums_codes(self) -> bool:
+        """Whether a streamed kernel can sum this slot's codes as it writes them: each pass's codes fill whole
+        64-byte rows (``fadam.paging._checksum``'s), but for a leaf's last."""
+        return self.span * self.bits % (8 * 64) == 0
+
 
 Formats = tuple["Quantized | None", ...]  # per slot of a traced segment: quantized, or plain tensors (None)
 
@@ -363,9 +374,10 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     computed in its dtype as torch would compute it: float32 and float64 as they are, bfloat16 in float, rounded
     after every operation.
 
-    ``streamed`` (slots stored as they are, not quantized): the new slots go out through ``fadam_stream_sum``
-    (``_STREAM``), and ``fadam_run`` takes one more argument, ``leaf_sums``, where it puts each leaf's and slot's
-    16 Fletcher sums of the bytes it wrote (``fadam.paging._checksum.leaf_sums``'s numbers), leaf by leaf."""
+    ``streamed``: the new slots stored as they are go out through ``fadam_stream_sum`` (``_STREAM``), a quantized
+    slot's codes are summed as each pass encodes them (``Quantized.sums_codes`` must hold), and ``fadam_run`` takes
+    one more argument, ``leaf_sums``, where it puts each leaf's and slot's 16 Fletcher sums of the bytes it wrote (of
+    a quantized slot: of its codes; ``fadam.paging._checksum.leaf_sums``'s numbers), leaf by leaf."""
     from fadam.quantization._maps import INFINITE  # the quantization package builds on the program
 
     graph = traced.graph
@@ -373,8 +385,8 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     formats = formats or (None,) * slots
     first_slot = len(graph.inputs) - slots
     quantized = {k: f for k, f in enumerate(formats) if f is not None}
-    if streamed and quantized:
-        raise ValueError("a streamed kernel stores its slots as they are")
+    if streamed and not all(q.sums_codes for q in quantized.values()):
+        raise ValueError("a streamed kernel sums whole rows of codes in each pass")
     types = _node_dtypes(traced, dtypes)
     needed = _reachable(traced.outputs)
     mkl_roots = {
@@ -386,7 +398,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         block = next(iter(quantized.values())).block
         if any(f.block != block for f in quantized.values()):
             raise ValueError("the quantized slots of one kernel share a block size")
-        span = block * max(1, _BLOCK // block)  # whole blocks per pass: each is encoded once its values are known
+        span = next(iter(quantized.values())).span
         chunk = span * -(-_CHUNK // span)
     else:
         span, chunk = (_BLOCK if passes > 1 else _CHUNK), _CHUNK
@@ -418,7 +430,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         return [f"const {ctype(node)} {name} = {value};"]
 
     def store(k: int, node: Node, name: str) -> str:
-        if streamed and k < slots:  # to the scratch row, which ``fadam_stream_sum`` writes out after the loop
+        if streamed and k < slots and k not in quantized:  # to the scratch row, written out after the loop
             return f"s{k}[j] = {f'fadam_to_bf16({name})' if types[node.index] == torch.bfloat16 else name};"
         if k in quantized:  # and the block's largest magnitude pattern so far (``_encode_blocks``)
             return (
@@ -457,7 +469,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
             if phase[index] == current and index in output_of:
                 lines.extend(store(k, node, name) for k in output_of[index])
                 reduced += [k for k in output_of[index] if k in quantized]
-                streams += [k for k in output_of[index] if streamed and k < slots]
+                streams += [k for k in output_of[index] if streamed and k < slots and k not in quantized]
         lines += [f"a{r.index}[j] = {names[r.args[0].index]};" for r in roots if phase[r.index] == current + 1]
         body = "\n        ".join(lines)
         tops = ", ".join(f"top{k}" for k in reduced)
@@ -484,6 +496,13 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
                     f"      else for (int64_t j = 0; j < count; ++j) r{root.index}[j] = std::sqrt(a{root.index}[j]);"
                 )
     loops += [_encode_blocks(k, q) for k, q in quantized.items()]
+    if streamed:  # the codes just written, while they are in the L1 cache
+        loops += [
+            f"fadam_fletcher_rows(oc{k} + start, count, sums + {16 * k}, sums + {16 * k + 8});"
+            if q.bits == 8
+            else f"fadam_fletcher_rows(oc{k} + start / 2, (count + 1) / 2, sums + {16 * k}, sums + {16 * k + 8});"
+            for k, q in quantized.items()
+        ]
     n_in, n_out = len(graph.inputs), len(traced.outputs)
     out_dtypes = [dtypes[first_slot + k] for k in range(slots)] + [dtypes[0]]
     widths = [3 if k - first_slot in quantized else 1 for k in range(n_in)]
@@ -523,14 +542,16 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         for k, q in quantized.items()
     ]
     if streamed:
-        scratch += [f"{_STORED[dtypes[first_slot + k]]} s{k}[{span}];" for k in range(slots)]
+        scratch += [f"{_STORED[dtypes[first_slot + k]]} s{k}[{span}];" for k in range(slots) if k not in quantized]
     per_leaf = len(graph.leaf_scalars)
     declared = [(op, line.replace("PER_LEAF", str(per_leaf))) for op, line in scalar_names.declarations()]
     step_scalars = [line for op, line in declared if op == "scalar"]
     leaf_loads = [line for op, line in declared if op == "leaf_scalar"]
     newline = "\n  "
     chunk_open, chunk_close, join = (
-        _stream_sums(slots, chunk, [dtypes[first_slot + k] for k in range(slots)]) if streamed else ("", "", "")
+        _stream_sums(slots, chunk, [_bytes_per(dtypes[first_slot + k], formats[k]) for k in range(slots)])
+        if streamed
+        else ("", "", "")
     )
     chunk_table = f"\n  std::vector<uint64_t> chunk_sums(chunks * {16 * slots});" if streamed else ""
     fence = "\n    fadam_stream_fence();" if streamed else ""
@@ -571,24 +592,31 @@ extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* 
 """
 
 
-def _stream_sums(slots: int, chunk: int, slot_dtypes: list[torch.dtype]) -> tuple[str, str, str]:
+def _bytes_per(dtype: torch.dtype, quantized: Quantized | None) -> tuple[int, int]:
+    """A slot's stored bytes per element as ``(bytes, elements)``: its dtype's size, or a quantized slot's codes'."""
+    return (dtype.itemsize, 1) if quantized is None else (1, 8 // quantized.bits)
+
+
+def _stream_sums(slots: int, chunk: int, slot_bytes: list[tuple[int, int]]) -> tuple[str, str, str]:
     """A streamed kernel's sums: zeroed at each chunk's start, kept per chunk at its end, then joined leaf by leaf
     in order (``fadam.paging._checksum``: a run of rows that ends at row ``end`` of ``rows`` weighs its ``s1`` by
-    ``rows - end`` in the leaf's ``s2``). Every chunk but a leaf's last is whole 64-byte rows."""
-    widths = ", ".join(str(d.itemsize) for d in slot_dtypes)
+    ``rows - end`` in the leaf's ``s2``). Every chunk but a leaf's last is whole 64-byte rows. ``slot_bytes``:
+    ``_bytes_per`` of each slot (``n`` elements store ``ceil(n * bytes / elements)`` bytes)."""
+    widths = ", ".join(str(b) for b, _ in slot_bytes)
+    per = ", ".join(str(e) for _, e in slot_bytes)
     chunk_open = f"\n      uint64_t sums[{16 * slots}] = {{0}};"
     chunk_close = f"\n      std::memcpy(chunk_sums.data() + chunk * {16 * slots}, sums, sizeof sums);"
     join = f"""
-  const int64_t widths[{slots}] = {{{widths}}};
+  const int64_t widths[{slots}] = {{{widths}}}, per[{slots}] = {{{per}}};
   for (int64_t leaf = 0; leaf < leaves; ++leaf) {{
     for (int64_t k = 0; k < {slots}; ++k) {{
-      const int64_t rows = (sizes[leaf] * widths[k] + 63) / 64;
+      const int64_t rows = ((sizes[leaf] * widths[k] + per[k] - 1) / per[k] + 63) / 64;
       uint64_t* found = leaf_sums + (leaf * {slots} + k) * 16;
       std::memset(found, 0, 16 * sizeof(uint64_t));
       for (int64_t c = first[leaf]; c < first[leaf + 1]; ++c) {{
         const uint64_t* part = chunk_sums.data() + c * {16 * slots} + k * 16;
         const int64_t stop = std::min<int64_t>((c - first[leaf] + 1) * {chunk}, sizes[leaf]);
-        const uint64_t after = static_cast<uint64_t>(rows - (stop * widths[k] + 63) / 64);
+        const uint64_t after = static_cast<uint64_t>(rows - ((stop * widths[k] + per[k] - 1) / per[k] + 63) / 64);
         fadam_fletcher_join(found, found + 8, part, part + 8, after);
       }}
     }}

@@ -803,7 +803,12 @@ def _run_kernel(
         )
         low_precision = rounded_tensors and torch.bfloat16 in dtypes
         # slots written into another place (a file's other copy) stream out, summed for its checksum on the way
-        streamed = step.sums is not None and targets is not None and bool(slot_specs) and not any(stored)
+        streamed = (
+            step.sums is not None
+            and targets is not None
+            and bool(slot_specs)
+            and all(f is None or f.sums_codes for f in formats)
+        )
         kernel = None if low_precision else _generated(device, traced, dtypes, formats if any(stored) else (), streamed)
         if kernel is None:
             _run_eager(part, chosen, scalars, group, step, new_slots)
@@ -836,8 +841,9 @@ def _run_kernel(
             kernel.run(rows, values, leaf_values, sums)
             raw = ctypes.string_at(sums.data_ptr(), sums.numel() * 8)
             for j, leaf in enumerate(leaf for written in outputs for leaf in written):
-                if leaf.numel():  # an empty leaf may start where the next one does
-                    step.sums[leaf.data_ptr()] = raw[128 * j : 128 * (j + 1)]
+                data = leaf.codes if type(leaf) is QuantizedArray else leaf  # a quantized slot's sums: its codes'
+                if data.numel():  # an empty leaf may start where the next one does
+                    step.sums[data.data_ptr()] = raw[128 * j : 128 * (j + 1)]
         else:
             kernel.run(rows, values, leaf_values)
         _store(part, chosen, step, new_slots, group, outputs)

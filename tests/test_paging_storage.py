@@ -378,8 +378,20 @@ def test_a_fused_disk_step_writes_the_other_slot_only(tmp_path):
         fadam.step(tx, params, _grads(1), second)
 
 
-def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tmp_path, monkeypatch):
-    # the generated kernel sums the moments as it writes them: the commit's byte pass reads only the step counts
+@pytest.mark.parametrize(
+    ("make", "by_kernel"),
+    [
+        (lambda path: fadam.paged_adam(lr=1e-2, storage="disk", path=path, chunk_bytes=8192), True),
+        # 8-bit and 4-bit moments: the kernel sums their codes; the byte pass reads the blocks' scales
+        (lambda path: fadam.paged_adamw8bit(1e-2, storage="disk", path=path, min_size=1, chunk_bytes=2048), True),
+        (lambda path: fadam.page_state(fadam.adamw4bit(1e-2, min_size=1), storage="disk", path=path), True),
+        # blocks of 100: a pass of 500 codes does not fill whole rows, so the commit sums the codes itself
+        (lambda path: fadam.paged_adamw8bit(1e-2, storage="disk", path=path, min_size=1, block_size=100), False),
+    ],
+)
+def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tmp_path, monkeypatch, make, by_kernel):
+    # the generated kernel sums the moments as it writes them: the commit's byte pass reads only the step counts (and
+    # a quantized moment's block scales and map id: at most 32 bytes here), never a moment's values or codes
     from fadam.paging import _checksum
 
     read: list[int] = []
@@ -391,15 +403,40 @@ def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tm
 
     monkeypatch.setattr(_checksum, "spans_sums", reading)
     path = tmp_path / "s"
-    tx = fadam.paged_adam(lr=1e-2, storage="disk", path=path, chunk_bytes=8192)
+    tx = make(path)
     params, state = _params(), tx.init(_params())
     read.clear()
     for step in range(2):
         params, state = fadam.step(tx, params, _grads(step), state, donate=True)
-    assert read and max(read) <= 8  # a count's bytes, never a moment's
+    assert read and (max(read) <= 32) == by_kernel
     state_file = _storage.StateFile.open(str(path))
     state_file.verify(state_file.latest())  # the kernel's sums are the bytes' checksum
     state_file.close()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_moments_summed_by_the_kernel_across_its_chunks_verify_and_step_as_unpaged(tmp_path, bits):
+    # leaves over several of the kernel's chunks of 16384 elements, with partial 64-byte rows of codes at their ends,
+    # on both threads: the codes the kernel wrote and summed are the unpaged step's, and their checksum verifies
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        make = fadam.adamw8bit if bits == 8 else fadam.adamw4bit
+        reference, path = make(1e-2, min_size=1), tmp_path / "s"
+        tx = fadam.page_state(reference, storage="disk", path=path)
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.randn(n, generator=gen) for n in (3 * 16384 + 5, 70_001, 7)]
+        expected, state, expected_state = [p.clone() for p in params], tx.init(params), reference.init(params)
+        for _ in range(3):
+            grads = [torch.randn(p.shape, generator=gen) for p in params]
+            params, state = fadam.step(tx, params, grads, state, donate=True)
+            expected, expected_state = fadam.step(reference, expected, grads, expected_state, donate=True)
+        assert all(torch.equal(a, b) for a, b in zip(params, expected))
+        state_file = _storage.StateFile.open(str(path))
+        state_file.verify(state_file.latest())
+        state_file.close()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_disk_step_over_empty_leaves_commits_a_checksum_that_verifies(tmp_path):
