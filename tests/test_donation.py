@@ -7,6 +7,7 @@ non-contiguous tensor takes the general path; leaves that share memory get the r
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -196,6 +197,18 @@ def test_a_gradient_that_is_a_param_is_read_as_it_was(name):
 
         runs.append(_run(tx, params, state, grads, donate, set(range(STEPS))))
     _assert_runs_equal(name, *runs)
+
+
+def test_the_aliasing_warning_names_gradients_given_as_another_kind_of_mapping():
+    # the step checks the trees once: the gradients, a dict, are paired with OrderedDict params by key, and the
+    # warning names the leaf by its key, not by its position in either tree
+    params = collections.OrderedDict([("b", torch.randn(3)), ("a", torch.randn(3))])
+    grads = {"a": torch.randn(3), "b": params["a"]}
+    tx = fadam.sgd(0.1, momentum=0.9)
+    expected, _ = fadam.step(tx, params, grads, tx.init(params))
+    with pytest.warns(UserWarning, match=r"params\['a'\] and grads\['b'\] share memory"):
+        stepped, _ = fadam.step(tx, params, grads, tx.init(params), donate=True)
+    assert list(stepped) == ["b", "a"] and all(torch.equal(stepped[k], expected[k]) for k in params)
 
 
 def _share_b_with_a(state: Any) -> Any:
