@@ -654,9 +654,9 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         if not eager_only and chosen:
             for i in members:
                 slots = slot_rows[i]
-                if ready(_reference(step, i), step.updates[i], slots, grad_enabled, storage) and (
-                    target_rows is None or ready(_reference(step, i), step.updates[i], target_rows[i], False, storage)
-                ):
+                # the slots the kernel writes into (``into``'s) are checked with those it reads, in one call
+                checked = slots if target_rows is None else [*slots, *target_rows[i]]
+                if ready(_reference(step, i), step.updates[i], checked, grad_enabled, storage):
                     kernel[i] = slots
         if kernel:
             _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate, target_rows)
