@@ -38,6 +38,16 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def is_tensor_leaf(node: Any) -> bool:
+    """Marks tensors as leaves (as optree treats them anyway) for optree's ``is_leaf``: it then skips its look-up of
+    each leaf's type among the registered node types, about a third of the time of flattening a tree of tensors
+    (optree 0.20)."""
+    return isinstance(node, _TENSOR)
+
+
+_TENSOR = torch.Tensor
+
+
 def functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether a ``torch.func`` transform (vmap, grad) wraps ``tensor``. torch.compile cannot trace that check (a graph
     break), nor tell reliably whether a transform is active, so while it traces the answer is ``True``: callers take the
@@ -83,7 +93,9 @@ def first_overlap(params: Any, grads: Any, state: Any) -> tuple[tuple[int, int],
     param). Each leaf costs one storage pointer; only leaves of a storage that several use have their byte ranges
     compared, and ranges that meet count as overlapping even where strides interleave their elements. Tensors without
     memory (meta, empty), sparse ones and ``torch.func``-wrapped ones, which no step writes in place, are skipped."""
-    return overlap_in_leaves([optree.tree_leaves(tree, none_is_leaf=True) for tree in (params, grads, state)])
+    return overlap_in_leaves(
+        [optree.tree_leaves(tree, is_leaf=is_tensor_leaf, none_is_leaf=True) for tree in (params, grads, state)]
+    )
 
 
 def overlap_in_leaves(trees: list[list[Any]]) -> tuple[tuple[int, int], tuple[int, int]] | None:

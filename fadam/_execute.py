@@ -377,15 +377,16 @@ def _stage_leaves(
 def _slot_leaves(tree: PyTree, like: Any) -> list[Any] | None:
     """A slot tree's leaves in the order of ``like`` (the params' structure), where it is the same tree or differs
     only in its kinds of mapping (a state made from a dict, params given as an OrderedDict); else ``None``."""
-    leaves, spec = optree.tree_flatten(tree, is_leaf=_is_quantized, none_is_leaf=True)
+    leaves, spec = optree.tree_flatten(tree, is_leaf=_is_slot_leaf, none_is_leaf=True)
     if spec == like:
         return leaves
     order = _order_like(spec, like)
     return None if order is None else [leaves[i] for i in order]
 
 
-def _is_quantized(node: Any) -> bool:
-    return type(node) is QuantizedArray
+def _is_slot_leaf(node: Any) -> bool:
+    """A quantized slot leaf, or a tensor (``is_tensor_leaf``)."""
+    return type(node) is QuantizedArray or isinstance(node, torch.Tensor)
 
 
 def _same_place(slot: Any, reference: Any) -> bool:

@@ -15,7 +15,7 @@ import optree
 import torch
 from torch._C import _functorch
 
-from fadam._dispatch import is_dtensor, real_view
+from fadam._dispatch import is_dtensor, is_tensor_leaf, real_view
 from fadam._numerics import dtype_for, safe_sqrt
 
 PyTree = Any
@@ -43,11 +43,11 @@ class UnsupportedGradientError(ValueError, RuntimeError):
 
 def tree_flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` keeping ``None`` leaves in place."""
-    return optree.tree_flatten(tree, none_is_leaf=True)
+    return optree.tree_flatten(tree, is_leaf=is_tensor_leaf, none_is_leaf=True)
 
 
 def tree_leaves(tree: PyTree) -> list[Any]:
-    return optree.tree_leaves(tree, none_is_leaf=True)
+    return optree.tree_leaves(tree, is_leaf=is_tensor_leaf, none_is_leaf=True)
 
 
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
