@@ -441,15 +441,22 @@ def run_step(
     return spec.unflatten(step.new_params), state
 
 
-def run_update(program: Program, updates: PyTree, state: PyTree, params: PyTree | None) -> tuple[PyTree, PyTree] | None:
+def run_update(
+    program: Program,
+    updates: PyTree,
+    state: PyTree,
+    params: PyTree | None,
+    into: PyTree | None = None,
+    sums: Written | None = None,
+) -> tuple[PyTree, PyTree] | None:
     """``update`` of ``program`` with the generated kernel where leaves allow it (new tensors, nothing written), or
-    ``None`` as ``run_step``."""
+    ``None`` as ``run_step``. ``into`` and ``sums``: ``run_step``'s (the new slots the kernel computes go there)."""
     if torch.compiler.is_compiling() or _backend.get() == "eager":  # inductor fuses a traced update itself
         return None
     first = next((leaf for leaf in optree.tree_leaves(updates) if isinstance(leaf, torch.Tensor)), None)
     if first is None or not is_plain(first) or generated_route(first.device) is None:  # eager, quickly
         return None
-    ran = _run(program, updates, state, params, donate=False, applies=False)
+    ran = _run(program, updates, state, params, donate=False, applies=False, into=into, sums=sums)
     if ran is None:
         return None
     step, state, spec = ran
@@ -480,11 +487,12 @@ def _run(
                 return None  # the transform's own update names what is missing
             param_leaves = [None] * len(grad_leaves)
         reference_leaves = grad_leaves if params is None else param_leaves
-        stage_leaves = _stage_leaves(program, state, grads if params is None else params, reference_leaves, spec)
+        reference = grads if params is None else params
+        stage_leaves = _stage_leaves(program, state, reference, reference_leaves, spec)
         into_leaves = None
         if into is not None:
             # the expanded program's paths name the same places in an unexpanded state, whose layout ``into`` has
-            into_leaves = _stage_leaves(program, into, params, param_leaves, spec)
+            into_leaves = _stage_leaves(program, into, reference, reference_leaves, spec)
             if into_leaves is None:
                 return None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fadam
-from fadam.paging import _storage
+from fadam.paging import _storage, _wrapper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -389,7 +389,10 @@ def test_a_fused_disk_step_writes_the_other_slot_only(tmp_path):
         (lambda path: fadam.paged_adamw8bit(1e-2, storage="disk", path=path, min_size=1, block_size=100), False),
     ],
 )
-def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tmp_path, monkeypatch, make, by_kernel):
+@pytest.mark.parametrize("update", [False, True])
+def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(
+    tmp_path, monkeypatch, make, by_kernel, update
+):
     # the generated kernel sums the moments as it writes them: the commit's byte pass reads only the step counts (and
     # a quantized moment's block scales and map id: at most 32 bytes here), never a moment's values or codes
     from fadam.paging import _checksum
@@ -407,7 +410,11 @@ def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(tm
     params, state = _params(), tx.init(_params())
     read.clear()
     for step in range(2):
-        params, state = fadam.step(tx, params, _grads(step), state, donate=True)
+        if update:  # an update writes the new state it computes into the file as a step does
+            updates, state = tx.update(_grads(step), state, params)
+            params = fadam.apply_updates(params, updates)
+        else:
+            params, state = fadam.step(tx, params, _grads(step), state, donate=True)
     assert read and (max(read) <= 32) == by_kernel
     state_file = _storage.StateFile.open(str(path))
     state_file.verify(state_file.latest())  # the kernel's sums are the bytes' checksum
@@ -437,6 +444,29 @@ def test_quantized_moments_summed_by_the_kernel_across_its_chunks_verify_and_ste
         state_file.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_host_paged_update_computes_its_new_state_in_the_spare_buffer(monkeypatch):
+    # the generated kernel writes the new moments where the returned state reads them: what is copied into the spare
+    # buffer afterwards is the step counts only; the numbers are the unpaged update's
+    copied: list[int] = []
+    original = _wrapper.view_leaf
+
+    def viewing(buffer, place):
+        copied.append(place.nbytes)
+        return original(buffer, place)
+
+    monkeypatch.setattr(_wrapper, "view_leaf", viewing)
+    reference = fadam.adam(1e-2)
+    tx = fadam.page_state(reference, storage="host", chunk_bytes=8192)
+    params, state, expected_state = _params(), tx.init(_params()), reference.init(_params())
+    for step in range(3):
+        copied.clear()
+        updates, state = tx.update(_grads(step), state, params)
+        expected, expected_state = reference.update(_grads(step), expected_state, params)
+        assert all(torch.equal(a, b) for a, b in zip(updates, expected))
+        assert copied and max(copied) <= 8, copied
+        params = fadam.apply_updates(params, updates)
 
 
 def test_a_disk_step_over_empty_leaves_commits_a_checksum_that_verifies(tmp_path):

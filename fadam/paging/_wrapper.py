@@ -15,7 +15,7 @@ from torch._C import _functorch
 
 from fadam._base import FusibleUpdate, GradientTransformation, add_update
 from fadam._dispatch import can_write_in_place, is_dtensor
-from fadam._execute import fast_step
+from fadam._execute import fast_step, run_update
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._checksum import ChunkChecksum
 from fadam.paging._storage import (
@@ -570,6 +570,23 @@ def page_state(
             torch.tensor([0, -1] if storage == "host" else [], dtype=torch.int64),
         )
 
+    # an update by the inner transform's declared program writes the new state it computes into storage
+    program = getattr(inner.update, "program", None)
+    direct = program if program is not None and getattr(inner.update, "fused_step", None) is None else None
+
+    def chunk_update(
+        grads_k: PyTree, chunk: _Fetched, params_k: PyTree | None, extra_args: dict[str, Any]
+    ) -> tuple[PyTree, PyTree]:
+        """``inner.update`` of one chunk; where the generated kernel runs its program on the CPU, the new slots go
+        straight into the places ``chunk.target`` gives (summed for the checksum on the way), not into new tensors
+        that are then copied there."""
+        target = chunk.target(spare=True) if direct is not None and not extra_args else None
+        if target is not None:
+            done = run_update(direct, grads_k, chunk.state, params_k, into=target, sums=chunk.sums)
+            if done is not None:
+                return done
+        return inner.update(grads_k, chunk.state, params_k, **extra_args)
+
     def run(
         updates: PyTree,
         state: PagedState,
@@ -612,7 +629,7 @@ def page_state(
                         del chunk, new_state
                         continue
                 params_k = None if param_leaves is None else chunk_params(param_leaves, params, group)
-                chunk_updates, new_state = inner.update(grads_k, chunk.state, params_k, **extra_args)
+                chunk_updates, new_state = chunk_update(grads_k, chunk, params_k, extra_args)
                 new_leaves = _checked(new_state, chunks[k], k, chunk.given)
                 chunk.store(new_leaves)
                 consume(group, chunk_updates)
@@ -727,9 +744,10 @@ class _HeldFile:
 
 class _Fetched:
     """One chunk's state on the compute device (``state``, read-only), a copy of it that may be written in place
-    (``owned()``), or, disk-paged on the CPU, the slot its new state goes to (``target()``, a state of the same
-    layout over the file's writable map; ``None`` elsewhere), and how its new state goes back to storage
-    (``store``). The leaves ``owned`` or ``target`` handed out (``given``) lie in the storage."""
+    (``owned()``), or, on the CPU, the places its new state goes to (``target()``, a state of the same layout over
+    the file's writable map; with ``spare=True`` also over a host state's other buffer; ``None`` elsewhere), and how
+    its new state goes back to storage (``store``). The leaves ``owned`` or ``target`` handed out (``given``) lie in
+    the storage."""
 
     def __init__(
         self,
@@ -844,9 +862,21 @@ def _pipeline(
                 [x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x for x in state_leaves]
             )
 
-        def target(k: int = k, working: Any = working, given: Any = given) -> PyTree | None:
-            if access.file is None or devices[k].type != "cpu":
+        def target(
+            spare: bool = False,
+            k: int = k,
+            working: Any = working,
+            given: Any = given,
+            buffer: Any = buffer,
+            source: Any = source,
+        ) -> PyTree | None:
+            if devices[k].type != "cpu":
                 return None
+            if access.file is None:  # with ``spare``, the host buffer the new state goes to, unless it is the state's
+                if not spare or buffer.data_ptr() == source.data_ptr():
+                    return None
+                tree, given[:] = _materialize(buffer, chunks[k], devices[k], None, views_of)
+                return tree
             working.append(access.write(k))  # the slot being written, mapped: the new state goes there
             tree, given[:] = _materialize(working[0], chunks[k], devices[k], None, views_of)
             return tree
