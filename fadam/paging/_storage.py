@@ -18,8 +18,8 @@ invalidates the record of the slot it is about to write, writes the data, the sl
 with a new serial: the record is the commit marker and it is written last. On load, the valid record with the highest
 serial names the slot to read; a file without one is reported as incomplete. ``verify`` checks a slot's data against
 its table (on resume); updates do not, as that would read the state a second time every step. An open file keeps
-its data mapped (``StateFile``). A fused step on the CPU reads the chunk's current slot where it lies and the
-generated kernel writes the new state into the writable map of the other slot, in the page cache (no staging
+its data mapped (``StateFile``). A fused step or an update on the CPU reads the chunk's current slot where it lies
+and the generated kernel writes the new state into the writable map of the other slot, in the page cache (no staging
 buffer, no copy in or out), summing it for the checksum as it goes; other updates write each leaf with ``pwrite``.
 """
 

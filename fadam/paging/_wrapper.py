@@ -407,15 +407,18 @@ def page_state(
     current copy where it lies and writes the new state into a writable map of the other copy, in the page cache (no
     buffer in between, no copy in or out): the generated kernel does that;
     torch's fused kernels, which update their state in place, would need the copy made first, so a disk-paged chain
-    of theirs (``adamw``) takes the generated kernel instead, whose numbers are the eager path's. ``update`` and
-    steps on an accelerator write each new leaf with ``pwrite``. The file is a checkpoint:
+    of theirs (``adamw``) takes the generated kernel instead, whose numbers are the eager path's. ``update`` on the
+    CPU does the same where the generated kernel runs the inner transform's program (host state: into the spare
+    buffer); leaves it does not take, and steps on an accelerator, write each new leaf with ``pwrite`` (host state:
+    a copy into the spare buffer). The file is a checkpoint:
     ``page_state(..., resume=True)``'s ``init`` reopens it after checking that it belongs to the same model and
     optimizer. It keeps two copies of the state; an update writes the other copy and then flips a commit record, so a
     killed process leaves either the previous or the new step, never a mix, and a file whose creation was interrupted
     is reported as incomplete. Each commit records a 64-bit checksum of every chunk it wrote (two running sums over
     its 64-bit words, ``fadam.paging._checksum``), computed from the bytes written, never read back from the file: a
-    fused step's generated kernel adds up each row of the new state as it writes it (no second pass), other updates
-    take one more pass over the state in memory, at memory speed on ``torch.get_num_threads()`` threads;
+    generated kernel that writes the new state into the file adds up each of its rows as it writes it (no second
+    pass), other updates take one more pass over the state in memory, at memory speed on
+    ``torch.get_num_threads()`` threads;
     ``resume=True`` reads the committed state once to check it and refuses a file whose data does not match, naming
     the chunk. Updates do not re-check what they read (that would be a second pass over the state every step). A
     file of an older format (1: no checksums; 2: CRC-32 checksums) is refused. An ``init`` on ``path`` removes the
