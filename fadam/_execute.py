@@ -203,8 +203,7 @@ def _quantized_ready(
 ) -> bool:
     """Whether a quantized slot leaf can take the kernel: of a real param, its codes, absmax and map id plain
     contiguous tensors of the sizes ``storage`` gives for the param, on the CPU for the C++ kernel (``device``
-    ``None``), else on ``device``, in blocks that the Triton kernel takes. Run for every slot of every leaf of every
-    step: one test per attribute (integer tensors never require grad)."""
+    ``None``), else on ``device``, in blocks that the Triton kernel takes."""
     if storage is None or p.dtype not in KERNEL_DTYPES:
         return False
     if device is not None and not _triton_kernel.takes_blocks(storage.bits, storage.block):
@@ -213,15 +212,11 @@ def _quantized_ready(
     wrapped = _wrapped_check()
     for tensor, dtype, dims, size in ((q[0], _UINT8, 1, codes), (q[1], _FLOAT32, 1, absmax), (q[2], _UINT8, 0, 1)):
         if (
-            type(tensor) not in PLAIN_TYPES
+            not _walkable(tensor, grad_enabled, wrapped)
             or tensor.dtype is not dtype
-            or tensor.layout is not _STRIDED
-            or not tensor.is_contiguous()
             or tensor.dim() != dims
             or tensor.numel() != size
             or (not tensor.is_cpu if device is None else tensor.device != device)
-            or (grad_enabled and dtype is _FLOAT32 and tensor.requires_grad)
-            or (wrapped is not None and wrapped(tensor))
         ):
             return False
     return True
@@ -242,8 +237,7 @@ def torch_ready(p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_
 def torch_place(
     p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool
 ) -> tuple[torch.device, torch.dtype] | None:
-    """The device and dtype of a leaf that can take torch's fused kernels (``torch_ready``), else ``None``. Run for
-    every leaf of every step: one test per attribute, in one loop."""
+    """The device and dtype of a leaf that can take torch's fused kernels (``torch_ready``), else ``None``."""
     if u is None:
         return None
     dtype = p.dtype
@@ -256,13 +250,9 @@ def torch_place(
     wrapped = _wrapped_check()
     for tensor in (*slots, p, u):  # slots first: a quantized one is refused at once
         if (
-            type(tensor) not in PLAIN_TYPES
+            not _walkable(tensor, grad_enabled, wrapped)
             or tensor.dtype is not dtype
-            or tensor.layout is not _STRIDED
-            or not tensor.is_contiguous()
-            or (grad_enabled and tensor.requires_grad)
             or (not tensor.is_cpu if on_cpu else tensor.device != device)
-            or (wrapped is not None and wrapped(tensor))
         ):
             return None
     return device, dtype
@@ -395,9 +385,7 @@ def _same_place(slot: Any, reference: Any) -> bool:
         return slot.shape == reference.shape and ((slot.is_cpu and reference.is_cpu) or slot.device == reference.device)
     if type(slot) is QuantizedArray and isinstance(reference, torch.Tensor):
         return slot.shape == reference.shape and slot.codes.device == reference.device
-    if reference is None or not isinstance(slot, torch.Tensor):
-        return reference is None or slot is None
-    return slot.shape == reference.shape and slot.device == reference.device
+    return reference is None or slot is None  # a leaf with no param (or update) takes any slot; else none is there
 
 
 class _Step(NamedTuple):
