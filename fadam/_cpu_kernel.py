@@ -763,18 +763,22 @@ def _codec_source(formats: Iterable[Quantized]) -> str:
         return ""
     parts = ["#include <cfloat>", _float_array("fadam_maps", code_maps().reshape(-1).tolist())]
     for map_id in sorted({f.map_id for f in formats}):
-        base, entries, zero, signed = _encoder_table(map_id)
+        base, entries, negation = _encoder_table(map_id)
         items = ", ".join(str(e) for e in entries)
-        parts.append(f"static const int32_t fadam_codes{map_id}[{len(entries)}] = {{{items}}};")
-        negative = f"{zero} - below - (low >= mid)" if signed else "0"
+        parts.append(f"static const uint32_t fadam_codes{map_id}[{len(entries)}] = {{{items}}};")
+        code = (
+            f"const uint32_t s = static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31);  // all ones if negative\n"
+            f"  return ((u ^ s) + (s & {negation}u)) >> 17;"
+            if negation is not None
+            else "return (bits >> 31) ? 0 : u >> 17;"
+        )
         parts.append(
             f"""// the code of the float with sign and bits ``bits`` and magnitude pattern ``magnitude``, at most 1.0's
 static inline int fadam_code{map_id}(uint32_t bits, uint32_t magnitude) {{  // ({list(MAP_IDS)[map_id]})
-  int32_t index = static_cast<int32_t>(magnitude >> 16) - {base};
-  index = index < 0 ? 0 : index;
-  const int32_t entry = fadam_codes{map_id}[index];
-  const int32_t below = entry & 255, mid = entry >> 8, low = static_cast<int32_t>(magnitude & 0xFFFFu);
-  return (bits >> 31) ? {negative} : {zero} + below + (low > mid);
+  const uint32_t m = std::min<uint32_t>(std::max<uint32_t>(magnitude, {base << 16}u), 0x3F800000u);
+  // a signed index: compilers vectorize table reads (gathers) with 32-bit signed indices
+  const uint32_t u = fadam_codes{map_id}[static_cast<int32_t>(m >> 16) - {base}] + m;
+  {code}
 }}
 static inline int fadam_encode{map_id}(float y) {{  // y in [-1, 1], not NaN
   uint32_t bits;
@@ -786,14 +790,21 @@ static inline int fadam_encode{map_id}(float y) {{  // y in [-1, 1], not NaN
 
 
 @functools.cache
-def _encoder_table(map_id: int) -> tuple[int, list[int], int, bool]:
-    """``(base, entries, zero, signed)`` of the kernel's encoder for ``map_id``: for each bfloat16 pattern ``P`` of a
-    magnitude (the top 16 bits of its float32) from ``base`` on, ``entry = mid << 8 | below``, where ``below`` counts
-    the map's positive midpoints under the pattern's smallest float and ``mid`` holds the low 16 bits of the one
-    midpoint inside the pattern (``0x10000``: none; ``encode_tables`` checks that no pattern holds two). Then
-    ``below + (low > mid)`` counts the midpoints below a magnitude and ``below + (low >= mid)`` those at or below it:
-    a non-negative y's code is ``zero`` plus the first, a negative one's ``zero`` minus the second (the codec's
-    nearest code, ties to the lower one). Patterns under ``base`` hold no midpoint and read entry 0."""
+def _encoder_table(map_id: int) -> tuple[int, list[int], int | None]:
+    """``(base, entries, negation)`` of the kernel's encoder for ``map_id``, which finds a code with one table read
+    and no comparison.
+
+    For each bfloat16 pattern ``P`` of a magnitude (the top 16 bits of its float32) from ``base`` to 1.0's, let
+    ``below`` count the map's positive midpoints under ``P``'s smallest float and ``mid`` hold the low 16 bits of the
+    one midpoint inside ``P`` (``0x10000``: none; no pattern holds two, which is checked here). Then ``entry = ((zero +
+    below) << 17) + 0x1FFFF - mid - (P << 16)`` modulo 2**32. A magnitude ``m`` of pattern ``P`` (``low = m - (P <<
+    16)``) gives ``u = entry + m = ((zero + below) << 17) + (0x1FFFF - mid + low)``, whose last term lies in
+    ``[0xFFFF, 0x2FFFE]`` and reaches ``0x20000`` exactly when ``low > mid``: ``u >> 17`` is ``zero + below + (low >
+    mid)``, the count of midpoints below ``m`` plus the code of 0, so the nearest code of ``+m``. For ``-m``, ``(K - u)
+    >> 17`` with ``K = (2 zero << 17) + 0x1FFFE`` is ``zero - below - (low >= mid)`` (the codec's nearest code, ties to
+    the lower one); with ``s`` all ones for a negative ``y`` and zero otherwise, ``K - u = (u ^ s) + (s & (K + 1))``,
+    and ``negation`` is ``K + 1`` (``None`` for an unsigned map, whose negative numbers take code 0). Magnitudes under
+    ``base``'s pattern, which hold no midpoint, are raised to its smallest float."""
     from fadam.quantization._maps import _GRIDS, encode_tables, tables_on
 
     tables_on("cpu")  # builds the grids
@@ -809,8 +820,10 @@ def _encoder_table(map_id: int) -> tuple[int, list[int], int, bool]:
         inside = below < len(mids) and mids[below] >> 16 == pattern
         if inside and below + 1 < len(mids) and mids[below + 1] >> 16 == pattern:
             raise AssertionError("two midpoints in one bfloat16 pattern: the kernel's encoder is invalid")
-        entries.append(((mids[below] & 0xFFFF) if inside else 0x10000) << 8 | below)
-    return base, entries, grid.zero, grid.signed
+        mid = (mids[below] & 0xFFFF) if inside else 0x10000
+        entries.append((((grid.zero + below) << 17) + 0x1FFFF - mid - (pattern << 16)) % (1 << 32))
+    negation = ((2 * grid.zero) << 17) + 0x1FFFF if grid.signed else None
+    return base, entries, negation
 
 
 def _reachable(outputs: tuple[Node, ...]) -> set[int]:

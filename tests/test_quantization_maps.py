@@ -3,6 +3,7 @@ import torch
 
 from fadam.quantization import dynamic_map, linear_nonzero_map
 from fadam.quantization._maps import MAP_IDS, code_maps, decode, encode
+from tests import kernel_encoder
 
 LENGTHS = {"dynamic8_signed": 255, "dynamic8_unsigned": 256, "dynamic4_signed": 15, "linear4_nonzero": 16}
 
@@ -63,15 +64,15 @@ def test_bad_maps():
         linear_nonzero_map(8)
 
 
-@pytest.mark.parametrize("name", list(MAP_IDS))
-def test_static_encoder_matches_table_encoder(name):
-    # The fused kernels encode with a static map id (arithmetic guess + one midpoint read), the chain with a 0-d
-    # tensor (bfloat16-bucket table): the codes must agree on every input, above all at and around each midpoint.
-    # benchmarks/check_encoder_exhaustive.py checks every float32 in [-1, 1].
+def _encoder_inputs(name: str) -> torch.Tensor:
+    """Every midpoint of the map, every code value and powers of ten, each with 4 neighbours each side, random values
+    of every scale, zeros and the ends of [-1, 1]: both signs."""
     torch.manual_seed(0)
     map_id = MAP_IDS[name]
     values = code_maps()[map_id, : LENGTHS[name]]
     edges = torch.cat([(values[:-1] + values[1:]) / 2, values, 10.0 ** -torch.arange(10.0)])
+    patterns = torch.arange(0x3000, 0x3F81, dtype=torch.int32) << 16  # the first and last float of each bfloat16
+    pattern_ends = torch.cat([patterns, patterns | 0xFFFF]).view(torch.float32)
     near = [edges]
     for direction in (2.0, -2.0):
         step = edges
@@ -84,10 +85,33 @@ def test_static_encoder_matches_table_encoder(name):
             torch.rand(100000) * 2 - 1,
             torch.sign(torch.randn(100000)) * 10 ** (-12 * torch.rand(100000)),
             torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45, -1e-45]),
+            pattern_ends,
         ]
     ).clamp(-1.0, 1.0)
-    y = torch.cat([y, -y])
+    return torch.cat([y, -y])
+
+
+@pytest.mark.parametrize("name", list(MAP_IDS))
+def test_static_encoder_matches_table_encoder(name):
+    # The eager codec encodes with a static map id (arithmetic guess + one midpoint read) or a 0-d tensor
+    # (bfloat16-bucket table): the codes must agree on every input, above all at and around each midpoint.
+    # benchmarks/check_encoder_exhaustive.py checks every float32 in [-1, 1].
+    map_id = MAP_IDS[name]
+    y = _encoder_inputs(name)
     table = encode(y, torch.tensor(map_id, dtype=torch.uint8))
     static = encode(y, map_id)
     assert static.dtype == torch.int32
     assert torch.equal(static, table), y[static != table][:5]
+
+
+@pytest.mark.parametrize("name", list(MAP_IDS))
+def test_kernel_encoder_matches_table_encoder(name):
+    # The generated CPU kernel encodes with one read of a table of its own per bfloat16 pattern and an addition
+    # (fadam._cpu_kernel._encoder_table); benchmarks/check_encoder_exhaustive.py checks every float32 in [-1, 1].
+    if not kernel_encoder.available():
+        pytest.skip("no C++ compiler")
+    map_id = MAP_IDS[name]
+    y = _encoder_inputs(name)
+    table = encode(y, torch.tensor(map_id, dtype=torch.uint8))
+    kernel = kernel_encoder.kernel_encode(y, map_id)
+    assert torch.equal(kernel, table), y[kernel != table][:5]

@@ -17,8 +17,8 @@ Encoding rounds to the nearest code. ``encode_tables`` precomputes, for every bf
 of a float32), the nearest code of the smallest float32 with those top bits; since no map has two midpoints inside
 one such interval (checked when the tables are built), ``code = table[top16(y)] + (y > midpoint[table[...]])`` is
 the exact nearest code with two table reads and no search; the eager codec encodes so. The generated CPU kernel
-(``fadam._cpu_kernel._encoder_table``) folds both reads into one, per bfloat16 pattern of the magnitude: the count of
-midpoints below the pattern and the low bits of the one inside it. ``encode`` with an int ``map_id`` computes the
+(``fadam._cpu_kernel._encoder_table``) folds both reads and the comparison into one read and an addition, per bfloat16
+pattern of the magnitude. ``encode`` with an int ``map_id`` computes the
 magnitude's position on the map's grid arithmetically instead (each decade is a linear grid, so it is ``|y| * M + K``
 with the decade's constants chosen by comparisons); its floor is the true code or one below it, and one read of the
 midpoint table settles which. All give the same codes (the constants are checked when built;
