@@ -6,7 +6,7 @@
 The codec's eager path encodes with ``encode(y, map_id: Tensor)`` (the bfloat16-bucket table: two table reads) or
 ``encode(y, map_id: int)`` (a first guess on the map's linear grid and one midpoint comparison); the generated C++
 kernel with a table of its own (``fadam._cpu_kernel._encoder_table``: one read and an addition), compiled here on its
-own (``tests/kernel_encoder.py``). All must give the same code for every input the codec can produce: every finite
+own (``tests/kernel_functions.py``). All must give the same code for every input the codec can produce: every finite
 float32 ``y`` with ``|y| <= 1`` (``-0.0`` included). Prints the mismatch counts per map and exits with 1 if any.
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _sweep import signed_floats  # benchmarks/, the script's folder
 
 from fadam.quantization._maps import MAP_IDS, encode, tables_on
-from tests.kernel_encoder import kernel_encode
+from tests.kernel_functions import kernel_encode
 
 
 def bits_of(value: float) -> int:

@@ -113,6 +113,19 @@ static inline uint16_t fadam_to_bf16(float rounded) {
   std::memcpy(&bits, &rounded, 4);
   return static_cast<uint16_t>(bits >> 16);
 }
+#if defined(__FP_FAST_FMAF)
+#define FADAM_FAST_FMA 1  // fused multiply-adds are instructions, not library calls
+#else
+#define FADAM_FAST_FMA 0
+#endif
+// x / d for a float32 square root x and a number d with 2^-50 <= |d| <= 2^50, r = 1 / d: rounded as the division
+// rounds, with three FMAs and a product instead of a division (_divided_roots says why)
+static inline float fadam_divide_root(float x, float d, float r) {
+  const float q0 = x * r;
+  const float q1 = std::fma(std::fma(-q0, d, x), r, q0);
+  const float q2 = std::copysign(std::fma(std::fma(-q1, d, x), r, q1), q0);  // a zero signed as the division signs it
+  return x == INFINITY ? q0 : q2;
+}
 typedef void (*SqrtRows)(int, const void*, void*);  // MKL's vsSqrt / vdSqrt, which torch's CPU sqrt calls
 typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 """
@@ -298,6 +311,40 @@ def _expression(node: Node, args: list[str], dtypes: dict) -> str:
     raise ValueError(f"no C++ for the operation {node.op}")
 
 
+_DIVISOR_RANGE = (2.0**-50, 2.0**50)  # the magnitudes of divisors that fadam_divide_root takes
+
+
+def _divided_roots(traced: Traced, needed: set[int], roots: set[int], dtypes: dict) -> set[int]:
+    """The divisions of a float32 square root (one of ``roots``) by a step's number or a constant that the kernel
+    computes with ``fadam_divide_root`` (``_PRELUDE``), three FMAs and a product, instead of a vector division, which
+    costs several cycles an element: Adam's ``sqrt(nu) / bc2_sqrt``. Where the FMAs are not the machine's own
+    instructions, or the step's divisors do not all lie in ``_DIVISOR_RANGE``, the kernel divides.
+
+    They round as the division does. Scaling by powers of two is exact where nothing underflows or overflows, so take
+    ``x`` and ``d`` in [1, 2), ``z = x / d`` in (1/2, 2) and ``u`` an ulp of ``z``. ``r = RN(1 / d)`` has ``d r = 1 -
+    delta`` with ``|delta| <= d 2**-25``. ``q0 = RN(x r)`` lies within ``1.5 u`` of ``z``; with the remainder ``x - q0
+    d`` rounded, ``q1 = RN(q0 + (x - q0 d) r) = RN(z - (z - q0)(delta - epsilon))``, ``|epsilon| <= 2**-24``, lies
+    within ``u / 2 + 3 2**-24 u`` of ``z``: it is one of the two floats around ``z``. Its remainder ``x - q1 d`` then
+    has fewer than 24 bits on the grid of ``q1 d``, which the FMA computes exactly, and ``q2 = RN(q1 + (x - q1 d) r) =
+    RN(z - (z - q1) delta)``. A quotient of two floats is never a midpoint ``M`` between floats: ``x - M d`` is a
+    nonzero multiple of ``2**-24 u``, so ``|z - M| >= 2**-24 u / d``. As ``|z - q1| <= u / 2 + |z - M|`` for the
+    midpoint nearest ``z``, ``(z - q1) delta`` falls short of ``M`` when ``2**-24 / d > d 2**-26 / (1 - |delta|)``,
+    that is ``d**2 + d 2**-23 < 4``, true of every ``d`` below 2: ``q2 = RN(z)``. A square root is zero, NaN,
+    infinite or between 2**-75 and 2**64, so with ``|d|`` in ``_DIVISOR_RANGE`` no step underflows or overflows; a
+    zero's sign is the product's, and an infinity is the product itself. benchmarks/check_division_exhaustive.py
+    checks every float32 ``x`` for a set of divisors."""
+    found = set()
+    for node in traced.graph.nodes:
+        if node.index not in needed or node.op != "div" or dtypes[node.index] != torch.float32:
+            continue
+        dividend, divisor = node.args
+        if dividend.index not in roots or dtypes[dividend.index] != torch.float32:
+            continue
+        if divisor.op == "scalar":
+            found.add(node.index)
+    return found
+
+
 def _phases(traced: Traced, needed: set[int], roots: set[int]) -> dict[int, int]:
     """The pass each node is computed in: a square root run by MKL (``roots``) is available one pass after its
     argument (torch's float32 and float64 square roots run over a block of arguments at once, in MKL), every other
@@ -393,6 +440,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         n.index for n in graph.nodes if n.index in needed and n.op == "sqrt" and types[n.index] != torch.bfloat16
     }
     phase = _phases(traced, needed, mkl_roots)
+    divided = _divided_roots(traced, needed, mkl_roots, types)
     passes = max(phase.values(), default=0) + 1
     if quantized:
         block = next(iter(quantized.values())).block
@@ -440,19 +488,25 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
             )
         return f"out{k}[at] = {f'fadam_to_bf16({name})' if types[node.index] == torch.bfloat16 else name};"
 
-    def value(node: Node, names: dict[int, str]) -> str:
+    checked_divisors: dict[str, str] = {}  # a step's divisor -> its reciprocal's name, both checked once a call
+
+    def value(node: Node, names: dict[int, str], fast: bool) -> str:
         if node.index in mkl_roots:
             return f"r{node.index}[j]"
         args = [_argument(node, k, names, types, scalar_names) for k in range(len(node.args))]
+        if fast and node.index in divided:
+            reciprocal = checked_divisors.setdefault(args[1], f"{args[1]}_reciprocal")
+            return f"fadam_divide_root({args[0]}, {args[1]}, {reciprocal})"
         text = _expression(node, args, types)
         return f"fadam_round_bf16({text})" if types[node.index] == torch.bfloat16 else text
 
     loops: list[str] = [_unpack_blocks(k, q) for k, q in quantized.items() if q.bits == 4]
-    for current in range(passes):
+
+    def pass_lines(current: int, fast: bool) -> list[str]:
+        """The element loop's body of pass ``current``, with the divisions of ``divided`` without dividing if
+        ``fast``."""
         names: dict[int, str] = {}
         lines: list[str] = []
-        reduced: list[int] = []  # the quantized slots this pass stores
-        streams: list[int] = []  # the streamed slots this pass stores
         for node in graph.nodes:
             index = node.index
             if index not in needed or not node.elementwise:
@@ -463,21 +517,33 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
             elif phase[index] < current and current in uses.get(index, ()):
                 lines.append(f"const {ctype(node)} {name} = b{index}[j];")
             elif phase[index] == current and node.op != "input":
-                lines.append(f"const {ctype(node)} {name} = {value(node, names)};")
+                lines.append(f"const {ctype(node)} {name} = {value(node, names, fast)};")
                 if index in buffered_indices:
                     lines.append(f"b{index}[j] = {name};")
             if phase[index] == current and index in output_of:
                 lines.extend(store(k, node, name) for k in output_of[index])
-                reduced += [k for k in output_of[index] if k in quantized]
-                streams += [k for k in output_of[index] if streamed and k < slots and k not in quantized]
         lines += [f"a{r.index}[j] = {names[r.args[0].index]};" for r in roots if phase[r.index] == current + 1]
-        body = "\n        ".join(lines)
+        return lines
+
+    for current in range(passes):
+        stored = [
+            k
+            for n in graph.nodes
+            if n.index in needed and n.elementwise and n.index in output_of and phase[n.index] == current
+            for k in output_of[n.index]
+        ]
+        reduced = [k for k in stored if k in quantized]  # the quantized slots this pass stores
+        streams = [k for k in stored if streamed and k < slots and k not in quantized]  # the streamed ones
         tops = ", ".join(f"top{k}" for k in reduced)
-        loop = f"""#pragma omp simd{f" reduction(max : {tops})" if reduced else ""}
+        header = f"""#pragma omp simd{f" reduction(max : {tops})" if reduced else ""}
       for (int64_t j = {"b0" if quantized else "0"}; j < {"stop" if quantized else "count"}; ++j) {{
         const int64_t at = start + j;
-        {body}
-      }}"""
+        """
+        fast = pass_lines(current, True)
+        loop = header + "\n        ".join(fast) + "\n      }"
+        if any(phase[index] == current for index in divided):
+            plain = header + "\n        ".join(pass_lines(current, False)) + "\n      }"
+            loop = f"if (fadam_fast_divide) {{\n      {loop}\n      }} else {{\n      {plain}\n      }}"
         if quantized:
             block = next(iter(quantized.values())).block
             before = "".join(f"uint32_t top{k} = 0;\n      " for k in reduced)
@@ -546,6 +612,11 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     per_leaf = len(graph.leaf_scalars)
     declared = [(op, line.replace("PER_LEAF", str(per_leaf))) for op, line in scalar_names.declarations()]
     step_scalars = [line for op, line in declared if op == "scalar"]
+    if checked_divisors:
+        low, high = (_literal(bound, "float") for bound in _DIVISOR_RANGE)
+        in_range = " && ".join(f"std::fabs({d}) >= {low} && std::fabs({d}) <= {high}" for d in checked_divisors)
+        step_scalars += [f"const float {r} = 1.0f / {d};" for d, r in checked_divisors.items()]
+        step_scalars.append(f"const bool fadam_fast_divide = FADAM_FAST_FMA && {in_range};")
     leaf_loads = [line for op, line in declared if op == "leaf_scalar"]
     newline = "\n  "
     chunk_open, chunk_close, join = (

@@ -7,6 +7,8 @@ programs are chains of declared transforms (or ``fadam.lion``), not the aliases 
 own fused kernels, so that the step runs the generated kernel.
 """
 
+import math
+
 import optree
 import pytest
 import torch
@@ -14,6 +16,8 @@ import torch
 import fadam
 from fadam import _cpu_kernel
 from fadam._execute import explain
+from fadam._program import Elementwise, elementwise
+from tests import kernel_functions
 
 KERNEL = "generated CPU kernel"
 
@@ -549,3 +553,71 @@ def test_a_streamed_kernel_writes_the_plain_kernels_bytes_and_sums_them_as_the_c
         for k in range(slots):
             taken = tuple(n & (1 << 64) - 1 for n in sums[i, k].tolist())
             assert taken == leaf_sums(got[inputs + k].view(torch.uint8)), (i, k)
+
+
+def _square_roots() -> torch.Tensor:
+    """Float32 square roots over their whole range (2**-74.5 to 2**64): its ends, every power of two with its
+    neighbours, random ones; zeros, infinity and NaN."""
+    gen = torch.Generator().manual_seed(0)
+    powers = 2.0 ** torch.arange(-74.0, 64.0)
+    near = [powers, torch.nextafter(powers, torch.tensor(0.0)), torch.nextafter(powers, torch.tensor(float("inf")))]
+    ends = torch.tensor([2.0**-149, 3 * 2.0**-149, 2.0**-126, 3.4028234663852886e38]).sqrt()
+    special = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    spread = 10.0 ** (torch.rand(200_000, generator=gen, dtype=torch.float64) * 38 - 22)
+    return torch.cat([*near, ends, special, spread.float()])
+
+
+def _divisors() -> list[float]:
+    """Adam's bias corrections sqrt(1 - b2**t) of float32, the ends of the significand and of the range the kernel
+    takes without dividing, and negative ones."""
+    corrections = [math.sqrt(1 - b2**t) for b2 in (0.9, 0.99, 0.999, 0.99999) for t in (1, 2, 3, 10, 77, 1000, 4321)]
+    ends = [1.0, 2 - 2**-23, 1.5, math.sqrt(2), 2.0**-50, 2.0**50, (2 - 2**-23) * 2.0**-51, 3.0]
+    return [float(torch.tensor(d, dtype=torch.float32)) for d in [*corrections, *ends, -0.7, -(2 - 2**-23)]]
+
+
+def test_a_square_root_over_a_number_rounds_as_the_division_rounds():
+    # fadam_divide_root: three FMAs and a product (fadam._cpu_kernel._divided_roots gives the proof);
+    # benchmarks/check_division_exhaustive.py checks every float32 square root for a set of divisors
+    if not kernel_functions.available():
+        pytest.skip("no C++ compiler")
+    x = _square_roots()
+    for d in _divisors():
+        got, _ = kernel_functions.kernel_divide_root(x, d)
+        expected = x / torch.tensor(d, dtype=torch.float32)
+        wrong = _bits(got, equal_nan=True) != _bits(expected, equal_nan=True)
+        assert not wrong.any(), (d, x[wrong][:3], got[wrong][:3], expected[wrong][:3])
+
+
+def _root_over(divisor: float) -> fadam.GradientTransformation:
+    """The square root of each update's magnitude over a number from the prologue."""
+    return elementwise(Elementwise("root_over", fadam.EmptyState, (), False, lambda count: {"d": divisor}, _root_body))
+
+
+def _root_body(o, s, u, p):
+    return (o.sqrt(o.abs(u)) / s.d,)
+
+
+def test_adams_square_root_over_its_bias_correction_is_computed_without_a_division(kernel_runs):
+    texts = []
+    load = _cpu_kernel._load_source
+
+    def spy(text, streamed=False):
+        texts.append(text)
+        return load(text, streamed)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_cpu_kernel, "_load_source", spy)
+        _side_by_side(PROGRAMS["adam"](), _params(), steps=2, donate=True)
+    assert texts and all("fadam_divide_root(" in text for text in texts)
+
+
+@pytest.mark.parametrize("divisor", [0.3, -5.0, 2.0**-60, 2.0**60, 0.0, float("inf"), float("nan")])
+def test_a_square_root_over_any_number_equals_the_eager_path(divisor, kernel_runs):
+    # in range the kernel divides without a division; out of it (and for 0, inf, nan) it divides
+    tx = fadam.chain(_root_over(divisor), _lr(1e-2))
+    params = {key: leaf for key, leaf in _params().items() if key != "complex"}
+    grads = _edge_grads(params)
+    eager = _eager_step(tx, params, grads, tx.init(params))
+    kernel = fadam.step(tx, _clone(params), grads, tx.init(params))
+    assert kernel_runs == [2]
+    assert _mismatches(kernel, eager) == []

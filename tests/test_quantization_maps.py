@@ -3,7 +3,7 @@ import torch
 
 from fadam.quantization import dynamic_map, linear_nonzero_map
 from fadam.quantization._maps import MAP_IDS, code_maps, decode, encode
-from tests import kernel_encoder
+from tests import kernel_functions
 
 LENGTHS = {"dynamic8_signed": 255, "dynamic8_unsigned": 256, "dynamic4_signed": 15, "linear4_nonzero": 16}
 
@@ -108,10 +108,10 @@ def test_static_encoder_matches_table_encoder(name):
 def test_kernel_encoder_matches_table_encoder(name):
     # The generated CPU kernel encodes with one read of a table of its own per bfloat16 pattern and an addition
     # (fadam._cpu_kernel._encoder_table); benchmarks/check_encoder_exhaustive.py checks every float32 in [-1, 1].
-    if not kernel_encoder.available():
+    if not kernel_functions.available():
         pytest.skip("no C++ compiler")
     map_id = MAP_IDS[name]
     y = _encoder_inputs(name)
     table = encode(y, torch.tensor(map_id, dtype=torch.uint8))
-    kernel = kernel_encoder.kernel_encode(y, map_id)
+    kernel = kernel_functions.kernel_encode(y, map_id)
     assert torch.equal(kernel, table), y[kernel != table][:5]

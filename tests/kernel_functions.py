@@ -1,5 +1,6 @@
-"""The generated CPU kernel's encoders (``fadam._cpu_kernel._codec_source``), compiled on their own so that their codes
-can be compared with the codec's on any float32 input."""
+"""Functions of the generated CPU kernel, compiled on their own so that they can be compared with torch on any float32
+input: the encoders of the quantization maps (``fadam._cpu_kernel._codec_source``) and the division of a square root
+by a number (``fadam_divide_root``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ extern "C" void fadam_encode_all(int64_t map_id, const float* y, int64_t n, int3
 {cases}
   }}
 }}
+extern "C" int fadam_divide_all(const float* x, int64_t n, float d, float* y) {{
+  const float r = 1.0f / d;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = fadam_divide_root(x[i], d, r);
+  return FADAM_FAST_FMA;
+}}
 """
     return _cpu_kernel._library(text)
 
@@ -45,3 +52,16 @@ def kernel_encode(y: torch.Tensor, map_id: int) -> torch.Tensor:
         ctypes.c_void_p(codes.data_ptr()),
     )
     return codes
+
+
+def kernel_divide_root(x: torch.Tensor, d: float) -> tuple[torch.Tensor, bool]:
+    """``fadam_divide_root`` of contiguous float32 ``x`` by the float32 ``d``, and whether the machine's FMAs are
+    instructions (where they are not, the kernel divides instead)."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    library = _library()
+    library.fadam_divide_all.restype = ctypes.c_int
+    fast = library.fadam_divide_all(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()), ctypes.c_float(d), ctypes.c_void_p(y.data_ptr())
+    )
+    return y, bool(fast)
