@@ -294,9 +294,9 @@ def captured_kernel(tx: fadam.GradientTransformation, n: int) -> tuple[str, list
     texts, calls = [], []
     load_source, run = cpu_kernel._load_source, cpu_kernel.Kernel.run
 
-    def spy_load(text: str):
+    def spy_load(text: str, streamed: bool = False):
         texts.append(text)
-        return load_source(text)
+        return load_source(text, streamed)
 
     def spy_run(self, leaves, scalars, leaf_scalars):
         calls.append(([t.clone() for t in leaves[0]], [p.data_ptr() for p in leaves[0]], scalars, leaf_scalars))
