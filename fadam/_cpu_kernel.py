@@ -315,18 +315,18 @@ _DIVISOR_RANGE = (2.0**-50, 2.0**50)  # the magnitudes of divisors that fadam_di
 
 
 def _divided_roots(traced: Traced, needed: set[int], roots: set[int], dtypes: dict) -> set[int]:
-    """The divisions of a float32 square root (one of ``roots``) by a step's number or a constant that the kernel
+    """The divisions of a float32 square root (one of ``roots``) by one of the step's numbers that the kernel
     computes with ``fadam_divide_root`` (``_PRELUDE``), three FMAs and a product, instead of a vector division, which
     costs several cycles an element: Adam's ``sqrt(nu) / bc2_sqrt``. Where the FMAs are not the machine's own
     instructions, or the step's divisors do not all lie in ``_DIVISOR_RANGE``, the kernel divides.
 
     They round as the division does. Scaling by powers of two is exact where nothing underflows or overflows, so take
     ``x`` and ``d`` in [1, 2), ``z = x / d`` in (1/2, 2) and ``u`` an ulp of ``z``. ``r = RN(1 / d)`` has ``d r = 1 -
-    delta`` with ``|delta| <= d 2**-25``. ``q0 = RN(x r)`` lies within ``1.5 u`` of ``z``; with the remainder ``x - q0
-    d`` rounded, ``q1 = RN(q0 + (x - q0 d) r) = RN(z - (z - q0)(delta - epsilon))``, ``|epsilon| <= 2**-24``, lies
-    within ``u / 2 + 3 2**-24 u`` of ``z``: it is one of the two floats around ``z``. Its remainder ``x - q1 d`` then
-    has fewer than 24 bits on the grid of ``q1 d``, which the FMA computes exactly, and ``q2 = RN(q1 + (x - q1 d) r) =
-    RN(z - (z - q1) delta)``. A quotient of two floats is never a midpoint ``M`` between floats: ``x - M d`` is a
+    delta`` with ``|delta| <= d 2**-25``. ``q0 = RN(x r)`` lies within ``1.5 u`` of ``z``; the remainder ``x - q0 d``,
+    rounded (relative error ``epsilon <= 2**-24``), gives ``q1 = RN(q0 + RN(x - q0 d) r)``, which misses ``z`` by at
+    most ``u / 2 + 1.5 u (|delta| + epsilon)``: it is one of the two floats around ``z``. Its remainder ``x - q1 d``
+    then has fewer than 24 bits on the grid of ``q1 d``, which the FMA computes exactly, and ``q2 = RN(q1 + (x - q1 d)
+    r) = RN(z - (z - q1) delta)``. A quotient of two floats is never a midpoint ``M`` between floats: ``x - M d`` is a
     nonzero multiple of ``2**-24 u``, so ``|z - M| >= 2**-24 u / d``. As ``|z - q1| <= u / 2 + |z - M|`` for the
     midpoint nearest ``z``, ``(z - q1) delta`` falls short of ``M`` when ``2**-24 / d > d 2**-26 / (1 - |delta|)``,
     that is ``d**2 + d 2**-23 < 4``, true of every ``d`` below 2: ``q2 = RN(z)``. A square root is zero, NaN,
