@@ -539,8 +539,7 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
       for (int64_t j = {"b0" if quantized else "0"}; j < {"stop" if quantized else "count"}; ++j) {{
         const int64_t at = start + j;
         """
-        fast = pass_lines(current, True)
-        loop = header + "\n        ".join(fast) + "\n      }"
+        loop = header + "\n        ".join(pass_lines(current, True)) + "\n      }"
         if any(phase[index] == current for index in divided):
             plain = header + "\n        ".join(pass_lines(current, False)) + "\n      }"
             loop = f"if (fadam_fast_divide) {{\n      {loop}\n      }} else {{\n      {plain}\n      }}"
