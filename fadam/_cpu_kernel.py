@@ -126,7 +126,7 @@ static inline float fadam_divide_root(float x, float d, float r) {
   const float q2 = std::copysign(std::fma(std::fma(-q1, d, x), r, q1), q0);  // a zero signed as the division signs it
   return x == INFINITY ? q0 : q2;
 }
-typedef void (*SqrtRows)(int, const void*, void*);  // MKL's vsSqrt / vdSqrt, which torch's CPU sqrt calls
+typedef void (*SqrtRows)(int, const double*, double*);  // MKL's vdSqrt, which torch's CPU float64 sqrt calls
 typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 """
 
@@ -203,7 +203,7 @@ _UNARY_C = {
     "sign": "fadam_sign({})",
     "reciprocal": "1 / {}",
     "rsqrt": "1 / std::sqrt({})",  # torch.rsqrt: the IEEE square root (not MKL's), then a division
-    "sqrt": "std::sqrt({})",  # bfloat16: ATen's IEEE square root in float (MKL's serve float32 and float64)
+    "sqrt": "std::sqrt({})",  # the IEEE root, as the eager path's of float32 and bfloat16 (float64: MKL's, below)
 }
 _CALLS = {
     "maximum": "fadam_maximum({}, {})",
@@ -314,8 +314,8 @@ def _expression(node: Node, args: list[str], dtypes: dict) -> str:
 _DIVISOR_RANGE = (2.0**-50, 2.0**50)  # the magnitudes of divisors that fadam_divide_root takes
 
 
-def _divided_roots(traced: Traced, needed: set[int], roots: set[int], dtypes: dict) -> set[int]:
-    """The divisions of a float32 square root (one of ``roots``) by one of the step's numbers that the kernel
+def _divided_roots(traced: Traced, needed: set[int], dtypes: dict) -> set[int]:
+    """The divisions of a float32 square root by one of the step's numbers that the kernel
     computes with ``fadam_divide_root`` (``_PRELUDE``), three FMAs and a product, instead of a vector division, which
     costs several cycles an element: Adam's ``sqrt(nu) / bc2_sqrt``. Where the FMAs are not the machine's own
     instructions, or the step's divisors do not all lie in ``_DIVISOR_RANGE``, the kernel divides.
@@ -338,7 +338,7 @@ def _divided_roots(traced: Traced, needed: set[int], roots: set[int], dtypes: di
         if node.index not in needed or node.op != "div" or dtypes[node.index] != torch.float32:
             continue
         dividend, divisor = node.args
-        if dividend.index not in roots or dtypes[dividend.index] != torch.float32:
+        if dividend.op != "sqrt" or dtypes[dividend.index] != torch.float32:
             continue
         if divisor.op == "scalar":
             found.add(node.index)
@@ -347,8 +347,8 @@ def _divided_roots(traced: Traced, needed: set[int], roots: set[int], dtypes: di
 
 def _phases(traced: Traced, needed: set[int], roots: set[int]) -> dict[int, int]:
     """The pass each node is computed in: a square root run by MKL (``roots``) is available one pass after its
-    argument (torch's float32 and float64 square roots run over a block of arguments at once, in MKL), every other
-    node in the pass of its last argument."""
+    argument (torch's float64 square root runs over a block of arguments at once, in MKL), every other node in the
+    pass of its last argument."""
     phase: dict[int, int] = {}
     for node in traced.graph.nodes:
         if node.index in needed:
@@ -416,7 +416,7 @@ class _Scalars(dict):
 def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (), streamed: bool = False) -> str:
     """The C++ source of ``traced`` for inputs of ``dtypes`` (in the graph's order; the outputs have their inputs'
     dtypes, the last one the first input's): ``fadam_run(leaves, sizes, pointers, scalars, leaf_scalars, threads,
-    sqrt_float, sqrt_double, mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order,
+    sqrt_double, mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order,
     then the outputs; a quantized slot (``formats``) takes three of each: codes, absmax and map id. Each node is
     computed in its dtype as torch would compute it: float32 and float64 as they are, bfloat16 in float, rounded
     after every operation.
@@ -437,10 +437,10 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     types = _node_dtypes(traced, dtypes)
     needed = _reachable(traced.outputs)
     mkl_roots = {
-        n.index for n in graph.nodes if n.index in needed and n.op == "sqrt" and types[n.index] != torch.bfloat16
+        n.index for n in graph.nodes if n.index in needed and n.op == "sqrt" and types[n.index] == torch.float64
     }
     phase = _phases(traced, needed, mkl_roots)
-    divided = _divided_roots(traced, needed, mkl_roots, types)
+    divided = _divided_roots(traced, needed, types)
     passes = max(phase.values(), default=0) + 1
     if quantized:
         block = next(iter(quantized.values())).block
@@ -555,9 +555,8 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         ]
         for root in roots:
             if phase[root.index] == current + 1:
-                function = "sqrt_double" if types[root.index] == torch.float64 else "sqrt_float"
                 loops.append(
-                    f"if ({function}) {function}(static_cast<int>(count), a{root.index}, r{root.index});\n"
+                    f"if (sqrt_double) sqrt_double(static_cast<int>(count), a{root.index}, r{root.index});\n"
                     f"      else for (int64_t j = 0; j < count; ++j) r{root.index}[j] = std::sqrt(a{root.index}[j]);"
                 )
     loops += [_encode_blocks(k, q) for k, q in quantized.items()]
@@ -629,14 +628,14 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
 {_PRELUDE}{_STREAM if streamed else ""}
 {_codec_source(quantized.values())}
 extern "C" int64_t fadam_run(int64_t leaves, const int64_t* sizes, void* const* pointers, const double* scalars,
-                             const double* leaf_scalars, int64_t threads, SqrtRows sqrt_float, SqrtRows sqrt_double,
+                             const double* leaf_scalars, int64_t threads, SqrtRows sqrt_double,
                              MklThreads mkl_threads{", uint64_t* leaf_sums" if streamed else ""}) {{
   {newline.join(step_scalars)}
   {_read_maps(map_pointers, width)}
   std::vector<int64_t> first(leaves + 1, 0);  // the first chunk of each leaf
   for (int64_t leaf = 0; leaf < leaves; ++leaf) first[leaf + 1] = first[leaf] + (sizes[leaf] + {chunk} - 1) / {chunk};
   const int64_t chunks = first[leaves];
-  const bool mkl = (sqrt_float || sqrt_double) && mkl_threads;{chunk_table}
+  const bool mkl = sqrt_double && mkl_threads;{chunk_table}
 #pragma omp parallel num_threads(threads)
   {{
     // MKL would open a parallel region of its own inside each call from this thread
@@ -915,19 +914,20 @@ def _aten_fma() -> bool:
 
 
 @functools.cache
-def _mkl_functions() -> tuple[int, int, int]:
-    """The addresses of MKL's ``vsSqrt``, ``vdSqrt`` and ``MKL_Set_Num_Threads_Local`` in torch's CPU library, which
-    its CPU sqrt calls where torch links MKL (0 where it does not): the kernels call them too, so that their square
-    roots round as torch's (MKL's last bit differs from the IEEE square root for about 1% of inputs)."""
+def _mkl_functions() -> tuple[int, int]:
+    """The addresses of MKL's ``vdSqrt`` and ``MKL_Set_Num_Threads_Local`` in torch's CPU library, which its CPU
+    float64 sqrt calls where torch links MKL (0 where it does not): the kernels call them too, so that their float64
+    square roots round as the eager path's (MKL's last bit differs from the IEEE root for 1% of inputs or more, by
+    CPU). Float32 roots are the IEEE ones on both paths (``fadam._program._mkl_float32``)."""
     try:
         library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
     except OSError:
-        return 0, 0, 0
+        return 0, 0
     found = []
-    for name in ("vsSqrt", "vdSqrt", "MKL_Set_Num_Threads_Local"):
+    for name in ("vdSqrt", "MKL_Set_Num_Threads_Local"):
         function = getattr(library, name, None)
         found.append(ctypes.cast(function, ctypes.c_void_p).value or 0 if function is not None else 0)
-    return found[0], found[1], found[2]
+    return found[0], found[1]
 
 
 def cache_dir() -> Path:
@@ -975,7 +975,7 @@ class Kernel:
     def __init__(self, library: ctypes.CDLL, streamed: bool = False) -> None:
         self.streamed = streamed
         self._function = library.fadam_run
-        pointers = 4 if streamed else 3
+        pointers = 3 if streamed else 2
         self._function.argtypes = [
             ctypes.c_int64,
             *[ctypes.c_void_p] * 4,

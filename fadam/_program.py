@@ -187,6 +187,10 @@ class EagerOps:
 
     @staticmethod
     def sqrt(x: torch.Tensor) -> torch.Tensor:
+        """The IEEE square root of a float32 ``x`` (``_mkl_float32``: torch's CPU one is MKL's there, whose last
+        bit differs for 1-17% of inputs, depending on the CPU), else torch's."""
+        if x.dtype is torch.float32 and _mkl_float32(x):
+            return EagerOps.sqrt(x.double()).to(torch.float32)
         # where autograd or torch.func sees the step, derivatives must stay finite where x is 0 (safe_sqrt)
         return torch.sqrt(x) if is_plain(x) else safe_sqrt(x)
 
@@ -231,6 +235,19 @@ class EagerOps:
 
 
 EAGER = EagerOps()
+
+
+def _mkl_float32(x: torch.Tensor) -> bool:
+    """Whether torch's square root of the float32 tensor ``x`` is MKL's (on the CPU, where torch links MKL), which
+    ``EagerOps.sqrt`` replaces by the IEEE one: MKL's float64 root, within an ulp of the exact one, rounded to float32.
+    That is the IEEE float32 root: the exact root of a float32 lies more than ``2**-51`` of its size from every
+    midpoint ``M`` between float32s (``x - M**2`` is a nonzero multiple of the last bit of ``M**2``), beyond the reach
+    of a float64 ulp (``2**-52`` of it). ``benchmarks/check_sqrt_exhaustive.py`` checks every float32. The kernels
+    compute the IEEE root with the machine's instruction, in the pass that needs it."""
+    return _TORCH_HAS_MKL and x.device.type == "cpu"
+
+
+_TORCH_HAS_MKL = torch.backends.mkl.is_available()  # read once: a call is a graph break under torch.compile
 
 
 def _as_real(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -18,9 +18,10 @@ expected to (not yet checked on a GPU); its CPU ones do per ``fadam._cpu_kernel.
 
 Tested here, on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, which computes in numpy, with true
 fused multiply-adds) against the eager path, per step (``tests/test_triton_kernel.py``): float32, float64 and bfloat16
-results bit for bit where the eager path's square roots are IEEE ones; with torch's CPU square root (MKL's, whose
-last bit differs for about 1% of float32 and float64 inputs) the state is still bit for bit, the params within 2 ulps
-of the update beyond their own rounding and the updates within 4 ulps of their largest magnitude. The interpreter
+results bit for bit where the eager path's square roots are IEEE ones, as its float32 and bfloat16 ones are; with
+torch's CPU float64 square root (MKL's, whose last bit differs for 1% of inputs or more, by CPU), which the eager path
+takes, the state is still bit for bit, the params within 2 ulps of the update beyond their own rounding and the
+updates within 4 ulps of their largest magnitude. The interpreter
 takes the pointer table (an int64 tensor of addresses cast with ``.to(tl.pointer_type(...))``) as the GPU does, so
 the tests run the one launch per group that a GPU runs.
 
