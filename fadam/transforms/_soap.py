@@ -201,7 +201,7 @@ def scale_by_soap(
         >>> u[0].abs().max().item(), [tuple(q.shape) for q in state.eigenbases[0]]
         (0.0, [(2, 2), (2, 2)])
         >>> u, state = tx.update([g], state, params)
-        >>> u[0]  # Adam's first step, a sign, in the eigenbasis (here the axes), rotated back
+        >>> u[0].round(decimals=6)  # Adam's first step, a sign, in the eigenbasis (here the axes), rotated back
         tensor([[1., 0.],
                 [0., 1.]])
 
