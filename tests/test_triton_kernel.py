@@ -194,8 +194,8 @@ def _numpy_sqrt(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def ieee_sqrt(monkeypatch):
     """The eager path with the IEEE square root for float64 too, where it takes torch's CPU one, MKL's (its last
-    bit differs for 1% of inputs or more), so that it computes as the kernel does; float32's and bfloat16's are IEEE
-    ones."""
+    bit differs for 1% of inputs or more), so that it computes as the kernel does. Float32's and bfloat16's are left
+    as they are, IEEE ones on both paths: the float32 and bfloat16 rows below check that with no patch."""
     sqrt = EagerOps.sqrt
     monkeypatch.setattr(
         EagerOps, "sqrt", staticmethod(lambda x: _numpy_sqrt(x) if x.dtype == torch.float64 else sqrt(x))
@@ -247,19 +247,6 @@ def test_torchs_float64_square_root_does_differ_from_the_kernels():
     grads = {"w": torch.randn(20_000, generator=gen, dtype=torch.float64)}
     found = _differences(tx, params, grads, tx.init(params))
     assert found["update ('w',)"] > 0, found
-
-
-@pytest.mark.parametrize("name", [name for name in PROGRAMS if name in TAKE_SQUARE_ROOTS])
-def test_float32_steps_equal_the_eager_path_bit_for_bit_with_its_own_square_root(name):
-    """The eager path's float32 square root is the IEEE one (``EagerOps.sqrt``), as the kernel's: no bound."""
-    tx = PROGRAMS[name]()
-    params = _params(torch.float32)
-    state = tx.init(params)
-    for step in range(3):
-        grads = _grads(params, seed=step)
-        found = _differences(tx, params, grads, state)
-        assert max(found.values()) == 0, f"step {step}: {found}"
-        _, params, state = _eager(tx, params, grads, state)
 
 
 def _edge_grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
