@@ -106,10 +106,10 @@ def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
 
     ``d sqrt(x)/dx = 1 / (2 sqrt(x))`` is infinite at 0, and autograd multiplies it by the zero derivative of the
     argument (Adam's ``v`` where the gradient is exactly zero), giving NaN meta-gradients. Where ``x == 0`` the inner
-    ``where`` takes the square root of 1 instead and the outer one returns 0, so no infinity is ever formed; NaN and
-    negative inputs give NaN as ``torch.sqrt`` does. The two ``where`` cost about 10% of a small meta-learning step,
-    so a CPU tensor with no zero (checked with one reduction, free of host syncs on the CPU) takes ``torch.sqrt``
-    directly: same values and same derivatives.
+    ``where`` takes the square root of 1 instead and the outer one returns ``x * 0`` (0 with ``x``'s sign, as the
+    IEEE root of -0 is -0), so no infinity is ever formed; NaN and negative inputs give NaN as ``torch.sqrt`` does.
+    The two ``where`` cost about 10% of a small meta-learning step, so a CPU tensor with no zero (checked with one
+    reduction, free of host syncs on the CPU) takes ``torch.sqrt`` directly: same values and same derivatives.
 
     Example:
         >>> import torch
@@ -121,7 +121,7 @@ def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     if no_zero_on_cpu(x):
         return torch.sqrt(x)
     zero = x == 0
-    return torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, x)))
+    return torch.where(zero, x * 0.0, torch.sqrt(torch.where(zero, 1.0, x)))
 
 
 def no_zero_on_cpu(x: torch.Tensor) -> bool:

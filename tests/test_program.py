@@ -9,6 +9,7 @@ own fused kernels, so that the step runs the generated kernel.
 
 import math
 
+import numpy
 import optree
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 import fadam
 from fadam import _cpu_kernel
 from fadam._execute import explain
-from fadam._program import Elementwise, elementwise
+from fadam._program import EagerOps, Elementwise, elementwise
 from tests import kernel_functions
 
 KERNEL = "generated CPU kernel"
@@ -586,6 +587,30 @@ def test_a_square_root_over_a_number_rounds_as_the_division_rounds():
         expected = x / torch.tensor(d, dtype=torch.float32)
         wrong = _bits(got, equal_nan=True) != _bits(expected, equal_nan=True)
         assert not wrong.any(), (d, x[wrong][:3], got[wrong][:3], expected[wrong][:3])
+
+
+def _float32s(first: float, last: float) -> torch.Tensor:
+    """Every float32 from ``first`` up to ``last`` (not included), both non-negative."""
+    low, high = (torch.tensor(v, dtype=torch.float32).view(torch.int32).item() for v in (first, last))
+    return torch.arange(low, high, dtype=torch.int32).view(torch.float32)
+
+
+def test_the_eager_float32_square_root_is_the_ieee_one():
+    # sqrt(x * 4**k) is sqrt(x) * 2**k exactly, so [1, 4) holds every rounding case of the normal float32s; the
+    # subnormals and the special values come besides (benchmarks/check_sqrt_exhaustive.py checks all 2**32)
+    x = torch.cat(
+        [
+            _float32s(1.0, 4.0),
+            _float32s(0.0, 2.0**-126),
+            torch.tensor([-0.0, math.inf, -math.inf, math.nan, -1.0, -(2.0**-149), 2.0**127, 3.4028234e38]),
+        ]
+    )
+    with numpy.errstate(invalid="ignore"):  # the roots of negative numbers: NaN
+        expected = torch.from_numpy(numpy.sqrt(x.numpy()))
+    for given in (x, x.clone().requires_grad_()):  # the path of plain tensors, and the one autograd records
+        got = EagerOps.sqrt(given)
+        wrong = _bits(got, equal_nan=True) != _bits(expected, equal_nan=True)
+        assert got.dtype == torch.float32 and not wrong.any(), (x[wrong][:3], got[wrong][:3], expected[wrong][:3])
 
 
 def _root_over(divisor: float) -> fadam.GradientTransformation:
