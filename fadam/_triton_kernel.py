@@ -21,9 +21,9 @@ fused multiply-adds) against the eager path, per step (``tests/test_triton_kerne
 results bit for bit where the eager path's square roots are IEEE ones, as its float32 and bfloat16 ones are; with
 torch's CPU float64 square root (MKL's, whose last bit differs for 1% of inputs or more, by CPU), which the eager path
 takes, the state is still bit for bit, the params within 2 ulps of the update beyond their own rounding and the
-updates within 4 ulps of their largest magnitude. The interpreter
-takes the pointer table (an int64 tensor of addresses cast with ``.to(tl.pointer_type(...))``) as the GPU does, so
-the tests run the one launch per group that a GPU runs.
+updates within 4 ulps of their largest magnitude. The interpreter takes the pointer table (an int64 tensor of
+addresses cast with ``.to(tl.pointer_type(...))``) as the GPU does, so the tests run the one launch per group that a
+GPU runs.
 
 Blockwise-quantized slots (``fadam.quantization``, 8 or 4 bits) are decoded, stepped and encoded in the same launch:
 a program then holds whole quantization blocks (``_Layout``: blocks of ``BLOCK`` elements or more one each, smaller
