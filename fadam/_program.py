@@ -215,8 +215,18 @@ class EagerOps:
     # torch.optim's fused operations, rounded as ATen rounds them (the kernels reproduce that rounding)
     @staticmethod
     def lerp(start: torch.Tensor, end: torch.Tensor, weight: float | torch.Tensor) -> torch.Tensor:
-        if isinstance(weight, torch.Tensor) and weight.dtype != start.dtype:
-            weight = weight.to(start.dtype)
+        """``torch.lerp``, but at a weight of 1 (Adam's or Lion's ``1 - b1`` where ``b1`` is 0) ``end + 0 * (end -
+        start)`` for every element, as ATen's vector loop computes it: its scalar tail computes ``end - (end - start)
+        * 0``, which signs a zero otherwise (``lerp(0, -0, 1)`` is -0 in the loop's body, +0 in a leaf's last
+        elements). A 0-d leaf takes its scalars as tensors (``_leaf_scalars``); a tensor weight over a larger leaf
+        keeps ``torch.lerp``'s signs there (choosing by its value would cost every such step two more passes)."""
+        if isinstance(weight, torch.Tensor):
+            weight = weight if weight.dtype == start.dtype else weight.to(start.dtype)
+            if start.dim() == 0:
+                return torch.where(weight == 1.0, end + (end - start) * 0.0, torch.lerp(start, end, weight))
+            return torch.lerp(start, end, weight)
+        if weight == 1.0:
+            return end + (end - start) * 0.0
         return torch.lerp(start, end, weight)
 
     @staticmethod

@@ -368,6 +368,21 @@ def test_a_complex_leaf_adds_its_update_as_the_eager_path_does(value):
     assert _mismatches(kernel, eager, equal_nan=True) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_lerp_of_weight_one_signs_its_zeros_alike_wherever_they_lie(dtype, kernel_runs):
+    """Adam without momentum (``b1 = 0``) lerps its first moment with a weight of 1: torch.lerp's zeros are -0 in the
+    body of ATen's vector loop and +0 in its scalar tail (the last elements of a leaf of 40); the eager path's and the
+    kernel's are -0 everywhere."""
+    tx = fadam.chain(fadam.scale_by_adam(b1=0.0), _lr(1e-2))
+    params = {"p": torch.ones(40, dtype=dtype)}
+    grads = {"p": torch.full((40,), -0.0, dtype=dtype)}
+    eager = _eager_step(tx, params, grads, tx.init(params))
+    kernel = fadam.step(tx, params, grads, tx.init(params))
+    assert kernel_runs == [1]
+    assert _mismatches(kernel, eager) == []
+    assert torch.signbit(eager[1][0].mu["p"]).all()
+
+
 def test_a_number_over_an_element_rounds_as_torch_rounds_it():
     """torch computes ``number / tensor`` as ``tensor.reciprocal() * number`` (two roundings): the traced body too."""
     from fadam._program import Elementwise, elementwise
