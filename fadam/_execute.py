@@ -909,7 +909,9 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     """Which backend each group of ``params``' leaves takes in ``fadam.step(tx, params, grads, state)``, and why.
 
     ``grads`` default to zeros like the params and ``state`` to ``tx.init(params)``; nothing is stepped. A line per
-    segment of the program and backend: the stages, the backend (or why not the generated kernel), the leaves.
+    segment of the program and backend: the stages, the backend (or why not the generated kernel), the leaves. An
+    opaque transform's line says eager for every leaf: fadam transforms that it calls choose their own backends (as
+    ``quantize_state`` of a chain with an opaque member runs that chain on the decoded state).
 
     Example:
         >>> import torch, fadam

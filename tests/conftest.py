@@ -18,3 +18,15 @@ os.environ.setdefault("FADAM_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"f
 import torch  # after OMP_NUM_THREADS, which torch reads when it loads
 
 torch.set_num_threads(1)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# The suite's examples are fixed, the same on every machine and run; "explore" draws new ones, many more, and keeps
+# the failing ones in hypothesis' database: ``python -m pytest tests/test_composed_chains.py
+# --hypothesis-profile=explore``.
+_SLOW = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]  # kernels compile on first use
+settings.register_profile(
+    "default", max_examples=40, derandomize=True, database=None, deadline=None, suppress_health_check=_SLOW
+)
+settings.register_profile("explore", max_examples=1000, deadline=None, suppress_health_check=_SLOW)
+settings.load_profile("default")
