@@ -73,6 +73,11 @@ MEMBERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "scale_by_learning_rate": st.fixed_dictionaries({"learning_rate": _lr}, optional={"flip_sign": st.booleans()}),
     "keep_params_nonnegative": st.just({}),
     "opaque": st.just({}),  # a user transform without a declaration: it splits the program
+    # the hyperparameters as tensors in the state, the inner transform built at each step; b1 is never 0 here: a
+    # tensor weight of 1 keeps torch.lerp's signs of zeros (README, the numerics of the generated kernel)
+    "inject_hyperparams(scale_by_adam)": st.fixed_dictionaries({"b1": st.sampled_from([0.5, 0.9]), "eps": _eps}),
+    "inject_hyperparams(scale_by_lion)": st.fixed_dictionaries({"b1": st.sampled_from([0.5, 0.9])}),
+    "inject_hyperparams(trace)": st.fixed_dictionaries({"decay": _rates}),
 }
 
 # the kernel's chunk (16384), a pass between square roots (512), a quantized block (256 at 8 bits, 128 at 4 bits)
@@ -105,7 +110,7 @@ def leaf_kinds(draw: st.DrawFn, dtype: str) -> dict[str, Any]:
 def recipes(draw: st.DrawFn) -> dict[str, Any]:
     """A problem as data (hypothesis prints it on a failure): the leaves, the chain's members, how its state is stored,
     whether a second chain takes some leaves (``partition``), whether the middle step's gradients hold infinities and
-    NaNs."""
+    NaNs, and how the kernel's side steps: ``fadam.step``, donated or not, or ``tx.update`` and ``apply_updates``."""
     dtype = draw(st.sampled_from(["float32", "float64"]))
     kinds = draw(st.lists(leaf_kinds(dtype), min_size=1, max_size=4))
     leaves = [f"p{i}" for i in range(len(kinds))]
@@ -116,14 +121,19 @@ def recipes(draw: st.DrawFn) -> dict[str, Any]:
         "partition": None if labels is None else (labels, draw(st.lists(members(leaves), min_size=1, max_size=3))),
         "quantized": draw(st.sampled_from([None, 8, 4])),
         "specials": draw(st.integers(0, 3)) == 0,
-        "donate": draw(st.booleans()),
+        "mode": draw(st.sampled_from(["donated step", "kept step", "update"])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
 
 def _member(name: str, kwargs: dict[str, Any], mask: dict[str, bool] | None) -> fadam.GradientTransformation:
     kwargs = {key: _schedule(1e-2) if value == "schedule" else value for key, value in kwargs.items()}
-    tx = _double() if name == "opaque" else getattr(fadam, name)(**kwargs)
+    if name == "opaque":
+        tx = _double()
+    elif name.startswith("inject_hyperparams("):
+        tx = fadam.inject_hyperparams(getattr(fadam, name.removeprefix("inject_hyperparams(")[:-1]))(**kwargs)
+    else:
+        tx = getattr(fadam, name)(**kwargs)
     return tx if mask is None else fadam.masked(tx, mask)
 
 
@@ -183,7 +193,11 @@ def test_a_composed_chain_steps_as_the_eager_path_bit_for_bit(recipe: dict[str, 
         for step in range(3):
             grads = _step_grads(recipe, eager[0], step)
             eager = _eager_step(tx, eager[0], grads, eager[1])
-            kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=recipe["donate"])
+            if recipe["mode"] == "update":
+                updates, state = tx.update(grads, kernel[1], kernel[0])
+                kernel = fadam.apply_updates(kernel[0], updates), state
+            else:
+                kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=recipe["mode"] == "donated step")
             assert _mismatches(kernel, eager, equal_nan=True) == [], f"step {step}"
     # explain names the kernel where it runs; an opaque stage (its line says eager) may run fadam chains inside it,
     # as quantize_state of a chain with an opaque member runs that chain on the decoded state
