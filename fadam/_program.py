@@ -223,7 +223,8 @@ class EagerOps:
         if isinstance(weight, torch.Tensor):
             weight = weight if weight.dtype == start.dtype else weight.to(start.dtype)
             if start.dim() == 0:
-                return torch.where(weight == 1.0, end + (end - start) * 0.0, torch.lerp(start, end, weight))
+                # (weight - 1) is +0 there: the same value, and the weight's derivative (end - start) for meta-gradients
+                return torch.where(weight == 1.0, end + (end - start) * (weight - 1.0), torch.lerp(start, end, weight))
             return torch.lerp(start, end, weight)
         if weight == 1.0:
             return end + (end - start) * 0.0

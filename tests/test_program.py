@@ -383,6 +383,19 @@ def test_a_lerp_of_weight_one_signs_its_zeros_alike_wherever_they_lie(dtype, ker
     assert torch.signbit(eager[1][0].mu["p"]).all()
 
 
+@pytest.mark.parametrize("weight", [1.0, 0.7, 0.2])
+def test_the_eager_lerp_has_torch_lerps_values_and_derivatives(weight):
+    """At a tensor weight of 1 over a 0-d leaf too, where it computes ``end + (end - start) * (weight - 1)``: the
+    derivative by the weight (a meta-gradient through ``b1``) is still ``end - start``."""
+    inputs = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (0.3, -1.1, weight)]
+    copies = [t.detach().clone().requires_grad_() for t in inputs]
+    ours, theirs = EagerOps.lerp(*inputs), torch.lerp(*copies)
+    (ours * 3.0).backward()
+    (theirs * 3.0).backward()
+    assert ours.item() == theirs.item()
+    assert [t.grad.item() for t in inputs] == [t.grad.item() for t in copies]
+
+
 def test_a_number_over_an_element_rounds_as_torch_rounds_it():
     """torch computes ``number / tensor`` as ``tensor.reciprocal() * number`` (two roundings): the traced body too."""
     from fadam._program import Elementwise, elementwise
