@@ -1,11 +1,12 @@
 """Chains composed at random from the declared transforms: the generated CPU kernel against the eager path.
 
 ``tests/test_program.py`` checks hand-picked programs; here hypothesis composes them (members, their hyperparameters,
-masks, opaque transforms between them, quantized state, leaf shapes around the kernel's chunk and block sizes, float32
-and float64) and every step must equal the eager path's bit for bit, params and state, where ``fadam.explain`` says
-the kernel runs and where it does not. The examples are fixed (``derandomize``) so that a run of the suite is the
-same on every machine; ``--hypothesis-profile=explore`` draws new ones, many more (``tests/conftest.py``).
-"""
+masks, partitions, opaque transforms between them, quantized and paged state, leaf shapes around the kernel's chunk and
+block sizes, strided leaves and views of one buffer, missing gradients, infinities and NaNs, float32 and float64), and
+every step, donated, kept or as ``update`` + ``apply_updates``, must equal the eager path's bit for bit, params and
+state, leaving what a kept step is given as it was, with the kernel running where ``fadam.explain`` says. The examples
+are fixed (``derandomize``) so that a run of the suite is the same on every machine;
+``--hypothesis-profile=explore`` draws new ones, many more (``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,15 @@ MEMBERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "inject_hyperparams(trace)": st.fixed_dictionaries({"decay": _rates}),
 }
 
+# the members whose scalars are sums over elements, which add up in the order of memory (a strided leaf's own order)
+REDUCING = {
+    "clip_by_global_norm",
+    "clip_by_block_rms",
+    "scale_by_trust_ratio",
+    "scale_by_param_block_rms",
+    "normalize_by_update_norm",
+}
+
 # the kernel's chunk (16384), a pass between square roots (512), a quantized block (256 at 8 bits, 128 at 4 bits)
 SHAPES = [(), (1,), (3, 5), (255,), (513,), (4097,), (16_385,), (70_001,)]
 
@@ -95,13 +105,14 @@ def members(draw: st.DrawFn, leaves: list[str]) -> tuple:
 
 @st.composite
 def leaf_kinds(draw: st.DrawFn, dtype: str) -> dict[str, Any]:
-    """A leaf as data: its shape, its dtype (mostly the tree's), whether it is a transposed view (which the kernel
-    refuses: it goes eager beside the others) and whether it has a gradient."""
+    """A leaf as data: its shape, its dtype (mostly the tree's), its layout (dense, or a view of every other element
+    or a transposed one, which the kernel refuses: they go eager beside the others) and whether it has a
+    gradient."""
     shape = draw(st.sampled_from(SHAPES))
     return {
         "shape": shape,
         "dtype": draw(st.sampled_from([dtype] * 3 + ["float32", "float64"])),
-        "transposed": len(shape) == 2 and draw(st.integers(0, 4)) == 0,
+        "layout": draw(st.sampled_from(["dense"] * 4 + ["strided"] + (["transposed"] if len(shape) == 2 else []))),
         "grad": draw(st.integers(0, 6)) > 0,
     }
 
@@ -121,6 +132,8 @@ def recipes(draw: st.DrawFn) -> dict[str, Any]:
         "partition": None if labels is None else (labels, draw(st.lists(members(leaves), min_size=1, max_size=3))),
         "quantized": draw(st.sampled_from([None, 8, 4])),
         "specials": draw(st.integers(0, 3)) == 0,
+        # the dense params, or their gradients, as views of one buffer per dtype (flat parameters, DDP's buckets)
+        "one buffer": draw(st.sampled_from([(), ("params",), ("grads",), ("params", "grads")])),
         "mode": draw(st.sampled_from(["donated step", "kept step", "update"])),
         "seed": draw(st.integers(0, 2**16)),
     }
@@ -137,22 +150,44 @@ def _member(name: str, kwargs: dict[str, Any], mask: dict[str, bool] | None) -> 
     return tx if mask is None else fadam.masked(tx, mask)
 
 
-def _build(recipe: dict[str, Any]) -> tuple[fadam.GradientTransformation, dict[str, torch.Tensor]]:
+def _build(recipe: dict[str, Any]) -> fadam.GradientTransformation:
     tx = fadam.chain(*(_member(*m) for m in recipe["members"]))
     if recipe["partition"] is not None:
         labels, others = recipe["partition"]
         tx = fadam.partition({"a": tx, "b": fadam.chain(*(_member(*m) for m in others))}, labels)
     if recipe["quantized"] is not None:  # every leaf of 256 elements or more keeps its slots quantized
         tx = fadam.quantize_state(tx, bits=recipe["quantized"], min_size=256)
+    return tx
+
+
+def _params(recipe: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The params, laid out as the recipe says (the same values at every call)."""
     gen = torch.Generator().manual_seed(recipe["seed"])
-    params = {}
+    values = {}
     for leaf, kind in recipe["leaves"].items():
-        shape, dtype = kind["shape"], getattr(torch, kind["dtype"])
-        if kind["transposed"]:
-            shape = shape[::-1]
-        p = torch.randn(shape, generator=gen, dtype=dtype) * 10.0 ** torch.randint(-3, 3, shape, generator=gen)
-        params[leaf] = p.t() if kind["transposed"] else p
-    return tx, params
+        shape = kind["shape"]
+        scale = 10.0 ** torch.randint(-3, 3, shape, generator=gen)
+        values[leaf] = torch.randn(shape, generator=gen, dtype=getattr(torch, kind["dtype"])) * scale
+    return _laid_out(recipe, values, "params" in recipe["one buffer"])
+
+
+def _laid_out(recipe: dict[str, Any], values: dict[str, Any], one_buffer: bool) -> dict[str, Any]:
+    """``values`` in their leaves' layouts; the dense ones in one buffer per dtype where ``one_buffer``."""
+    dense = [leaf for leaf, v in values.items() if v is not None and recipe["leaves"][leaf]["layout"] == "dense"]
+    placed = dict(values)
+    if one_buffer:
+        for dtype in {values[leaf].dtype for leaf in dense}:
+            members = [leaf for leaf in dense if values[leaf].dtype == dtype]
+            buffer = torch.cat([values[leaf].reshape(-1) for leaf in members])
+            for leaf, view in zip(members, buffer.split([values[leaf].numel() for leaf in members])):
+                placed[leaf] = view.view(values[leaf].shape)
+    for leaf, v in values.items():
+        layout = recipe["leaves"][leaf]["layout"]
+        if v is not None and layout == "strided":
+            placed[leaf] = torch.stack([v, torch.full_like(v, 7.0)], dim=-1)[..., 0]
+        elif v is not None and layout == "transposed":
+            placed[leaf] = v.t().contiguous().t()
+    return placed
 
 
 def _step_grads(recipe: dict[str, Any], params: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
@@ -163,7 +198,18 @@ def _step_grads(recipe: dict[str, Any], params: dict[str, torch.Tensor], step: i
         elif recipe["specials"] and step == 1 and grads[leaf].numel() > 1:
             flat = grads[leaf].view(-1)
             flat[1::97], flat[2::89], flat[3::83] = float("inf"), -float("inf"), float("nan")
-    return grads
+    return _laid_out(recipe, grads, "grads" in recipe["one buffer"])
+
+
+def _strided_like(params: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` with the strides of the kernel side's params (a donated step keeps a strided param strided, where
+    the eager step's results are dense): torch's reductions (a trust ratio's norms) add up in the order of memory."""
+    return {
+        leaf: p
+        if p.stride() == like[leaf].stride()
+        else torch.empty_strided(p.shape, like[leaf].stride(), dtype=p.dtype).copy_(p)
+        for leaf, p in params.items()
+    }
 
 
 @pytest.fixture
@@ -182,28 +228,35 @@ def kernel_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.skipif(_cpu_kernel._compiler() is None, reason="the generated kernel needs a C++ compiler")
 @given(recipe=recipes())
 def test_a_composed_chain_steps_as_the_eager_path_bit_for_bit(recipe: dict[str, Any], kernel_runs: list[int]):
-    tx, params = _build(recipe)
+    tx, params = _build(recipe), _params(recipe)
     with fadam.backend("kernel"):
         report = explain(tx, params, _step_grads(recipe, params, 0))
     note(report)
     kernel_runs.clear()  # hypothesis reuses the fixture across examples
     eager = (params, tx.init(params))
-    kernel = _clone(eager)
+    kernel_params = _params(recipe)  # not _clone(params), which would lay every leaf out densely
+    kernel = (kernel_params, tx.init(kernel_params))
     with fadam.backend("kernel"):
         for step in range(3):
             grads = _step_grads(recipe, eager[0], step)
-            eager = _eager_step(tx, eager[0], grads, eager[1])
+            eager = _eager_step(tx, _strided_like(eager[0], kernel[0]), grads, eager[1])
+            given = _clone((kernel, grads))
             if recipe["mode"] == "update":
                 updates, state = tx.update(grads, kernel[1], kernel[0])
-                kernel = fadam.apply_updates(kernel[0], updates), state
+                new = fadam.apply_updates(kernel[0], updates), state
             else:
-                kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=recipe["mode"] == "donated step")
+                new = fadam.step(tx, kernel[0], grads, kernel[1], donate=recipe["mode"] == "donated step")
+            if recipe["mode"] != "donated step":  # nothing passed in is written
+                assert _mismatches((kernel, grads), given, equal_nan=True) == [], f"step {step} wrote its inputs"
+            kernel = new
             assert _mismatches(kernel, eager, equal_nan=True) == [], f"step {step}"
+            if step == 0:  # what explain describes (a kept step's new params are dense, whatever the given layout)
+                first_runs = list(kernel_runs)
     # explain names the kernel where it runs; an opaque stage (its line says eager) may run fadam chains inside it,
     # as quantize_state of a chain with an opaque member runs that chain on the decoded state
-    assert (KERNEL in report) <= bool(kernel_runs), "explain names a kernel that never ran"
+    assert (KERNEL in report) <= bool(first_runs), "explain names a kernel that did not run"
     if "an opaque transform" not in report:
-        assert (KERNEL in report) == bool(kernel_runs), "the kernel ran where explain does not name it"
+        assert (KERNEL in report) == bool(first_runs), "the kernel ran where explain does not name it"
 
 
 def test_every_member_runs_as_declared():
@@ -216,3 +269,43 @@ def test_every_member_runs_as_declared():
         with fadam.backend("kernel"):
             report = explain(_member(name, kwargs, None), params)
         assert KERNEL in report, f"{name}: {report}"
+
+
+@st.composite
+def paged_recipes(draw: st.DrawFn) -> dict[str, Any]:
+    """A recipe whose chain keeps its state in ``page_state``: where, in chunks of how many bytes, by leaf or whole
+    (its leaves dense where a member reduces: paged state comes back dense, ``page_state`` says why that counts)."""
+    recipe = draw(recipes())
+    members = recipe["members"] + (recipe["partition"][1] if recipe["partition"] else [])
+    if any(name in REDUCING for name, _, _ in members):  # page_state's one exception: dense leaves only
+        for kind in recipe["leaves"].values():
+            kind["layout"] = "dense"
+    recipe["storage"] = draw(st.sampled_from(["host", "disk"]))
+    recipe["chunk_bytes"] = draw(st.sampled_from([1, 4096, 1 << 26]))
+    recipe["per_leaf"] = draw(st.sampled_from([None, False]))
+    return recipe
+
+
+@pytest.mark.skipif(_cpu_kernel._compiler() is None, reason="the generated kernel needs a C++ compiler")
+@given(recipe=paged_recipes())
+def test_a_paged_chain_steps_as_its_chain_in_memory_bit_for_bit(recipe: dict[str, Any], tmp_path_factory):
+    """``page_state`` of a composed chain, on the generated kernel, gives the params of the chain's eager path."""
+    inner = _build(recipe)
+    path = tmp_path_factory.mktemp("paged") / "state" if recipe["storage"] == "disk" else None
+    tx = fadam.page_state(
+        inner, storage=recipe["storage"], path=path, chunk_bytes=recipe["chunk_bytes"], per_leaf=recipe["per_leaf"]
+    )
+    params = _params(recipe)
+    eager = (params, inner.init(params))
+    kernel_params = _params(recipe)
+    paged = (kernel_params, tx.init(kernel_params))
+    with fadam.backend("kernel"):
+        for step in range(3):
+            grads = _step_grads(recipe, eager[0], step)
+            eager = _eager_step(inner, _strided_like(eager[0], paged[0]), grads, eager[1])
+            if recipe["mode"] == "update":
+                updates, state = tx.update(grads, paged[1], paged[0])
+                paged = fadam.apply_updates(paged[0], updates), state
+            else:
+                paged = fadam.step(tx, paged[0], grads, paged[1], donate=recipe["mode"] == "donated step")
+            assert _mismatches(paged[0], eager[0], equal_nan=True) == [], f"step {step}"

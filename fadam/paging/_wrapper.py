@@ -381,7 +381,9 @@ def page_state(
     r"""Keeps ``inner``'s state in host memory or in a file and streams it to the compute device during ``update``.
 
     The results are bit-identical to ``inner``'s: each chunk of state is copied to the device of its gradients,
-    ``inner`` updates it there, and the new state is written back to storage:
+    ``inner`` updates it there, and the new state is written back to storage (one exception: the state of a strided
+    param, a transposed view, comes back dense, so a reduction over values computed from it, a global norm, adds
+    them up in another order than ``inner`` on its own, which keeps that state in the param's strides):
 
     .. math::
         (u_k, s_k') = \mathrm{inner.update}(g_k, \mathrm{fetch}(s_k), p_k), \quad \mathrm{store}(s_k'),
