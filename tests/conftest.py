@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # --hypothesis-profile=explore``.
 _SLOW = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]  # kernels compile on first use
 settings.register_profile(
-    "default", max_examples=40, derandomize=True, database=None, deadline=None, suppress_health_check=_SLOW
+    "default", max_examples=20, derandomize=True, database=None, deadline=None, suppress_health_check=_SLOW
 )
 settings.register_profile("explore", max_examples=1000, deadline=None, suppress_health_check=_SLOW)
 settings.load_profile("default")
