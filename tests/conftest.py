@@ -19,7 +19,11 @@ import torch  # after OMP_NUM_THREADS, which torch reads when it loads
 
 torch.set_num_threads(1)
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+import fadam  # noqa: E402
+from fadam import _cpu_kernel  # noqa: E402
 
 # The suite's examples are fixed, the same on every machine and run; "explore" draws new ones, many more, and keeps
 # the failing ones in hypothesis' database: ``python -m pytest tests/test_composed_chains.py
@@ -30,3 +34,18 @@ settings.register_profile(
 )
 settings.register_profile("explore", max_examples=1000, deadline=None, suppress_health_check=_SLOW)
 settings.load_profile("default")
+
+
+@pytest.fixture
+def kernel_runs(monkeypatch):
+    """The number of leaves of each call of a compiled kernel."""
+    runs = []
+    run = _cpu_kernel.Kernel.run
+
+    def counted(self, leaves, *scalars):
+        runs.append(len(leaves))
+        return run(self, leaves, *scalars)
+
+    monkeypatch.setattr(_cpu_kernel.Kernel, "run", counted)
+    with fadam.backend("kernel"):  # the generated kernel, also where a program is one of torch's fused kernels' chains
+        yield runs

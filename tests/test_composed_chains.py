@@ -212,19 +212,6 @@ def _strided_like(params: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
     }
 
 
-@pytest.fixture
-def kernel_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    runs: list[int] = []
-    run = _cpu_kernel.Kernel.run
-
-    def counted(self: _cpu_kernel.Kernel, leaves: list, *args: Any) -> None:
-        runs.append(len(leaves))
-        return run(self, leaves, *args)
-
-    monkeypatch.setattr(_cpu_kernel.Kernel, "run", counted)
-    return runs
-
-
 @pytest.mark.skipif(_cpu_kernel._compiler() is None, reason="the generated kernel needs a C++ compiler")
 @given(recipe=recipes())
 def test_a_composed_chain_steps_as_the_eager_path_bit_for_bit(recipe: dict[str, Any], kernel_runs: list[int]):

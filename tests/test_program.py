@@ -168,21 +168,6 @@ PROGRAMS = {
 }
 
 
-@pytest.fixture
-def kernel_runs(monkeypatch):
-    """The number of leaves of each call of a compiled kernel."""
-    runs = []
-    run = _cpu_kernel.Kernel.run
-
-    def counted(self, leaves, *scalars):
-        runs.append(len(leaves))
-        return run(self, leaves, *scalars)
-
-    monkeypatch.setattr(_cpu_kernel.Kernel, "run", counted)
-    with fadam.backend("kernel"):  # the generated kernel, also where a program is one of torch's fused kernels' chains
-        yield runs
-
-
 def _side_by_side(tx, params, steps, donate):
     """Both paths' trajectories from the same start, asserted equal after every step (so every step starts from
     equal inputs)."""
