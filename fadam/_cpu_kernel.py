@@ -70,6 +70,24 @@ _PRELUDE = """\
 #include <cstring>
 #include <vector>
 
+// Fills out[0, length) with what elements [start, start + length) of a leaf read from a spread: element f reads
+// values[(f / (inner * count)) * inner + f % inner] (fadam._program.Spread.indexing), in runs of one index or of
+// consecutive ones, so that the element loops read a spread as they read an input
+template <typename T>
+static inline void fadam_spread(const T* values, int64_t inner, int64_t count, int64_t start, int64_t length, T* out) {
+  for (int64_t j = 0; j < length;) {
+    const int64_t at = start + j;
+    const int64_t first = (at / (inner * count)) * inner + at % inner;
+    const int64_t run = std::min(inner == 1 ? count - at % count : inner - at % inner, length - j);
+    if (inner == 1) {
+      std::fill(out + j, out + j + run, values[first]);
+    } else {
+      std::memcpy(out + j, values + first, run * sizeof(T));
+    }
+    j += run;
+  }
+}
+
 // torch.maximum / torch.minimum: NaN propagates; between equal values the second operand, as ATen's vector path
 template <typename T> static inline T fadam_maximum(T a, T b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
 template <typename T> static inline T fadam_minimum(T a, T b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
@@ -248,6 +266,8 @@ def _node_dtypes(traced: Traced, inputs: tuple[torch.dtype, ...]) -> dict[int, t
     for node in graph.nodes:
         if node.op == "input":
             dtypes[node.index] = inputs[graph.inputs.index(node)]
+        elif node.op == "operand":  # a spread's dtype follows the inputs'
+            dtypes[node.index] = inputs[len(graph.inputs) + node.value]
         elif not node.elementwise:
             dtypes[node.index] = None
         elif node.boolean:
@@ -417,7 +437,9 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
     """The C++ source of ``traced`` for inputs of ``dtypes`` (in the graph's order; the outputs have their inputs'
     dtypes, the last one the first input's): ``fadam_run(leaves, sizes, pointers, scalars, leaf_scalars, threads,
     sqrt_double, mkl_threads)``, where ``pointers`` holds, per leaf, the inputs in the graph's order,
-    then the outputs; a quantized slot (``formats``) takes three of each: codes, absmax and map id. Each node is
+    then the outputs, then its spreads (``Graph.operands``, whose dtypes end ``dtypes``; their indexing is among the
+    leaf's scalars, and each pass copies what its elements read into a row in the L1 cache: ``fadam_spread``); a
+    quantized slot (``formats``) takes three of each: codes, absmax and map id. Each node is
     computed in its dtype as torch would compute it: float32 and float64 as they are, bfloat16 in float, rounded
     after every operation.
 
@@ -500,7 +522,13 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         text = _expression(node, args, types)
         return f"fadam_round_bf16({text})" if types[node.index] == torch.bfloat16 else text
 
-    loops: list[str] = [_unpack_blocks(k, q) for k, q in quantized.items() if q.bits == 4]
+    spreads = [n for n in graph.nodes if n.op == "operand" and n.index in needed]
+    loops: list[str] = [
+        f"fadam_spread(x{n.value}, {scalar_names[('leaf_scalar', n.args[0].value, 'int64_t', False)]}, "
+        f"{scalar_names[('leaf_scalar', n.args[1].value, 'int64_t', False)]}, start, count, xv{n.value});"
+        for n in spreads
+    ]
+    loops += [_unpack_blocks(k, q) for k, q in quantized.items() if q.bits == 4]
 
     def pass_lines(current: int, fast: bool) -> list[str]:
         """The element loop's body of pass ``current``, with the divisions of ``divided`` without dividing if
@@ -512,7 +540,11 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
             if index not in needed or not node.elementwise:
                 continue
             name = names[index] = f"v{index}"
-            if node.op == "input" and (current in uses.get(index, ()) or index in output_of):
+            if node.op == "operand" and current in uses.get(index, ()):
+                read = f"xv{node.value}[j]"  # its row, filled before the passes
+                read = f"fadam_from_bf16({read})" if types[index] == torch.bfloat16 else read
+                lines.append(f"const {ctype(node)} {name} = {read};")
+            elif node.op == "input" and (current in uses.get(index, ()) or index in output_of):
                 lines.extend(load(graph.inputs.index(node), node, name))
             elif phase[index] < current and current in uses.get(index, ()):
                 lines.append(f"const {ctype(node)} {name} = b{index}[j];")
@@ -596,10 +628,14 @@ def source(traced: Traced, dtypes: tuple[torch.dtype, ...], formats: Formats = (
         else:
             stored = _STORED[out_dtypes[k]]
             loads.append(f"{stored}* out{k} = static_cast<{stored}*>(pointer[{at}]);")
-    width = sum(widths)
+    for n in spreads:
+        stored = _STORED[dtypes[n_in + n.value]]
+        loads.append(f"const {stored}* x{n.value} = static_cast<const {stored}*>(pointer[{sum(widths) + n.value}]);")
+    width = sum(widths) + len(graph.operands)
     map_pointers = [(offsets[first_slot + k] + 2, offsets[n_in + k] + 2, q.map_id) for k, q in quantized.items()]
     scratch = [f"{ctype(n)} b{n.index}[{span}];" for n in buffered]
     scratch += [f"{ctype(r)} a{r.index}[{span}], r{r.index}[{span}];" for r in roots]
+    scratch += [f"{_STORED[dtypes[n_in + n.value]]} xv{n.value}[{span}];" for n in spreads]
     scratch += [
         f"float q{k}[{span}]; uint32_t tops{k}[{span // q.block}];"
         + (f" uint8_t e{k}[{span + 1}], u{k}[{span + 1}];" if q.bits == 4 else "")

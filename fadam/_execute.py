@@ -45,6 +45,7 @@ from fadam._program import (
     Storage,
     eager_stage,
     leaf_selection,
+    leaf_statistics,
     program_of,
     scalar_values,
     state_at,
@@ -326,6 +327,7 @@ class _StageLeaves(NamedTuple):
     slots: list[list[torch.Tensor]]  # per slot, one leaf per selected param leaf
     position: list[int | None]  # per param leaf, its index in the slot lists
     spec: Any  # the slots' tree structure
+    statistics: list[list[torch.Tensor]]  # per statistic (``Statistic``), as ``slots``
 
 
 def _stage_leaves(
@@ -360,8 +362,16 @@ def _stage_leaves(
             return None
         if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
             return None
-        found[stage.path] = _StageLeaves(selected, slots, positions, like)
+        statistics = [_slot_leaves(getattr(stage_state, st.name), like) for st in stage.decl.statistics]
+        if any(leaves is None or any(_sharded_codes(t) for t in leaves) for leaves in statistics):
+            return None
+        found[stage.path] = _StageLeaves(selected, slots, positions, like, statistics)
     return found
+
+
+def _sharded_codes(leaf: Any) -> bool:
+    """Whether ``leaf`` is a quantized statistic of a DTensor param, which the transform's own update decodes."""
+    return type(leaf) is QuantizedArray and not is_plain(leaf.codes)
 
 
 def _slot_leaves(tree: PyTree, like: Any) -> list[Any] | None:
@@ -398,6 +408,8 @@ class _Step(NamedTuple):
     leaves: dict[tuple, _StageLeaves]
     into: dict[tuple, _StageLeaves] | None  # where the new slots go (``run_step``'s ``into``), else None
     sums: Written | None  # ``run_step``'s ``sums``
+    # leaf -> the update a kernel wrote into a new tensor this step: a later kernel may write over it
+    owned: dict[int, torch.Tensor]
 
 
 def run_step(
@@ -494,7 +506,7 @@ def _run(
         return None
     count = len(param_leaves)
     step = _Step(
-        list(param_leaves), list(grad_leaves), list(param_leaves), [False] * count, stage_leaves, into_leaves, sums
+        list(param_leaves), list(grad_leaves), list(param_leaves), [False] * count, stage_leaves, into_leaves, sums, {}
     )
     for number, part in enumerate(parts):
         if part.opaque:
@@ -630,6 +642,7 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         for stage, stage_state, entry in zip(part.stages, stage_states, entries)
     ]
     eager_only = any(_graph_scalar(v, grad_enabled) for stage in scalars for v in stage.values())
+    own, new_statistics = _statistics(part, scalars, step)
     storage = part.storage
     groups: dict[tuple[bool, ...], list[int]] = {}  # the stages that apply to a leaf -> its leaves
     if all(not stage.selections for stage in part.stages):
@@ -656,15 +669,48 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
                 if ready(_reference(step, i), step.updates[i], checked, grad_enabled, storage):
                     kernel[i] = slots
         if kernel:
-            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate, target_rows)
+            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate, target_rows, own)
         taken = kernel
         eager = [i for i in members if i not in taken]
         if eager and chosen:
-            _run_eager(part, chosen, scalars, eager, step, new_slots)
-    for stage, stage_state, entry, slots, found in zip(part.stages, stage_states, entries, new_slots, scalars):
-        trees = [entry.spec.unflatten(leaves) for leaves in slots]
-        state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees, found))
+            _run_eager(part, chosen, scalars, eager, step, new_slots, own)
+    for stage, stage_state, entry, slots, found, statistics in zip(
+        part.stages, stage_states, entries, new_slots, scalars, new_statistics
+    ):
+        trees, statistic_trees = ([entry.spec.unflatten(leaves) for leaves in kind] for kind in (slots, statistics))
+        state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees, found, statistic_trees))
     return state
+
+
+def _statistics(part: Segment, scalars: list[dict], step: _Step) -> tuple[list[list | None], list[list]]:
+    """Each stage's statistics advanced (``leaf_statistics``) on the leaves it applies to: per stage, each of its
+    leaves' values for the body (``None`` for a stage without statistics) and each statistic's new leaves."""
+    own: list[list | None] = []
+    new: list[list] = []
+    for stage, found in zip(part.stages, scalars):
+        entry = step.leaves[stage.path]
+        if stage.decl.reduce_statistics is None:
+            own.append(None)
+            new.append([])
+            continue
+        chosen = [i for i, keep in enumerate(entry.selected) if keep]
+        updates = [step.updates[i] for i in chosen]
+        params = [step.params[i] for i in chosen]
+        given = [[decode_slot(leaf, stage.storage) for leaf in leaves] for leaves in entry.statistics]
+        values, leaves = leaf_statistics(stage.decl, found, updates, params, given)
+        own.append(values)
+        # stored as before: a quantized one (``quantize_state``) requantized with the map its values call for, as
+        # that wrapper's eager path does; one left as it was keeps its codes
+        stored = []
+        for old_leaves, decoded, new_leaves in zip(entry.statistics, given, leaves):
+            stored.append(
+                [
+                    old if value is before else encode_slot(value, old, None, stage.storage)
+                    for old, before, value in zip(old_leaves, decoded, new_leaves)
+                ]
+            )
+        new.append(stored)
+    return own, new
 
 
 def _run_torch_kernel(
@@ -725,7 +771,13 @@ def _reference(step: _Step, i: int) -> torch.Tensor | None:
 
 
 def _run_eager(
-    part: Segment, chosen: list[int], scalars: list[dict], members: list[int], step: _Step, new_slots: list
+    part: Segment,
+    chosen: list[int],
+    scalars: list[dict],
+    members: list[int],
+    step: _Step,
+    new_slots: list,
+    own: list[list | None],
 ) -> None:
     updates = [step.updates[i] for i in members]
     for k in chosen:
@@ -735,7 +787,8 @@ def _run_eager(
         params = [step.params[i] for i in members] if decl.uses_params else [None] * len(members)
         given = [[s[w] for w in where] for s in new_slots[k]]
         full = [[decode_slot(leaf, stage.storage) for leaf in leaves] for leaves in given]
-        updates, results = eager_stage(decl, scalars[k], updates, params, full)
+        values = None if own[k] is None else [own[k][w] for w in where]
+        updates, results = eager_stage(decl, scalars[k], updates, params, full, values)
         for slot, spec, old, decoded, result in zip(new_slots[k], decl.slots, given, full, results):
             for w, leaf, before, value in zip(where, old, decoded, result):
                 # a leaf the stage left as it was (no gradient) keeps its codes exactly
@@ -751,11 +804,13 @@ def decode_slot(leaf: Any, storage: Storage | None) -> Any:
     return dequantize_blockwise(leaf, bits=storage.bits, block_size=storage.block)
 
 
-def encode_slot(value: Any, stored: Any, slot: Slot, storage: Storage | None) -> Any:
-    """A slot's new value stored as its old leaf was: requantized with the slot's map (``slot_map``) where that was
-    quantized."""
+def encode_slot(value: Any, stored: Any, slot: Slot | None, storage: Storage | None) -> Any:
+    """A slot's new value stored as its old leaf was: requantized with the slot's map (``slot_map``; without a slot,
+    the map its values call for) where that was quantized."""
     if type(stored) is not QuantizedArray:
         return value
+    if slot is None:
+        return quantize_blockwise(value, storage.bits, storage.block)
     map_id = torch.full((), slot_map(slot.nonnegative, storage.bits), dtype=torch.uint8, device=stored.map_id.device)
     return quantize_blockwise(value, storage.bits, storage.block, map_id=map_id)
 
@@ -769,10 +824,12 @@ def _run_kernel(
     new_slots: list,
     applies: bool,
     donate: bool,
-    targets: list[list[Any]] | None = None,
+    targets: list[list[Any]] | None,
+    own: list[list | None],
 ) -> None:
     """Runs the stages ``chosen`` of ``part`` in the generated kernel on ``members`` (leaf -> its slot leaves, which
-    the kernel reads and writes where donated; elsewhere, or in ``targets``, each leaf's slot leaves to write)."""
+    the kernel reads and writes where donated; elsewhere, or in ``targets``, each leaf's slot leaves to write).
+    ``own``: per stage, its leaves' values from their statistics (``_statistics``)."""
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(tuple(decls), applies)
     per_stage = [scalars[k] for k in chosen]
@@ -782,18 +839,29 @@ def _run_kernel(
     # the leaves by the dtypes the kernel reads (a complex leaf's: its reals'), a quantized slot marked as such
     by_layout: dict[tuple, list[int]] = {}
     real = _REAL.get
+    own_values = {i: _leaf_values(part, chosen, own, step, i) for i in members} if traced.graph.operands else {}
+    eager: list[int] = []
     for i, slot_leaves in members.items():
         reference = _reference(step, i)
         dtype = reference.dtype
         slot_dtypes = [_QUANTIZED if type(t) is QuantizedArray else real(t.dtype, t.dtype) for t in slot_leaves]
-        by_layout.setdefault((reference.device, real(dtype, dtype), *slot_dtypes), []).append(i)
+        spreads = _spreads(traced, own_values[i], reference) if own_values else ()
+        if spreads is None:
+            eager.append(i)
+            continue
+        layout = (reference.device, real(dtype, dtype), *slot_dtypes, *(t.dtype for t in spreads))
+        by_layout.setdefault(layout, []).append(i)
+    if eager:
+        _run_eager(part, chosen, scalars, eager, step, new_slots, own)
     rounded_tensors = _tensor_weights(traced, [scalars[k] for k in chosen])
     storage = part.storage
+    operands = len(traced.graph.operands)
     for key, group in by_layout.items():
-        device, dtype, slot_dtypes = key[0], key[1], key[2:]
+        device, dtype = key[0], key[1]
+        slot_dtypes, operand_dtypes = key[2 : len(key) - operands], key[len(key) - operands :]
         stored = tuple(d is _QUANTIZED for d in slot_dtypes)
         slot_dtypes = tuple(torch.float32 if q else d for d, q in zip(slot_dtypes, stored))
-        dtypes = (dtype, *([dtype] if traced.reads_params else []), *slot_dtypes)
+        dtypes = (dtype, *([dtype] if traced.reads_params else []), *slot_dtypes, *operand_dtypes)
         formats = tuple(
             Quantized(storage.bits, storage.block, slot_map(slot.nonnegative, storage.bits)) if quantized else None
             for slot, quantized in zip(slot_specs, stored)
@@ -808,24 +876,30 @@ def _run_kernel(
         )
         kernel = None if low_precision else _generated(device, traced, dtypes, formats if any(stored) else (), streamed)
         if kernel is None:
-            _run_eager(part, chosen, scalars, group, step, new_slots)
+            _run_eager(part, chosen, scalars, group, step, new_slots, own)
             continue
         rows, outputs, finals, leaf_values = [], [], [], []
         quantized_group, reads_params = any(stored), traced.reads_params
         for i in group:
             p, u = step.params[i], step.updates[i]
             if leaf_reducing:  # a leaf reduction runs first in its segment, on the segment's input
-                own = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
-                leaf_values.extend(own[name] for name in traced.graph.leaf_scalars)
+                found = {f"{j}.{k}": v for j, decl in leaf_reducing for k, v in decl.reduce_leaf(u, p).items()}
+                leaf_values.extend(found[name] for name in traced.graph.leaf_scalars)
+            elif own_values:
+                leaf_values.extend(_indexed(own_values[i], traced.graph.leaf_scalars, u.shape))
             slot_in = members[i]
             if targets is not None:
                 slot_out = targets[i]
             else:
                 slot_out = slot_in if donate else [_empty_like(t) for t in slot_in]
-            final = (p if donate else torch.empty_like(p)) if applies else torch.empty_like(u)
+            if applies:
+                final = p if donate else torch.empty_like(p)
+            else:
+                final = u if step.owned.get(i) is u else torch.empty_like(u)
             pointed = [*_pointed(slot_in), *_pointed(slot_out)] if quantized_group else [*slot_in, *slot_out]
             row = [u, p, *pointed, final] if reads_params else [u, *pointed, final]
-            rows.append([real_view(t) for t in row] if u.is_complex() else row)
+            row = [real_view(t) for t in row] if u.is_complex() else row
+            rows.append([*row, *(own_values[i][name].values for name in traced.graph.operands)])
             outputs.append(slot_out)
             finals.append(final)
         if _scalars_on_device(kernel, per_stage, leaf_values):
@@ -848,7 +922,46 @@ def _run_kernel(
             if applies:
                 step.new_params[i], step.applied[i], step.updates[i] = final, True, None
             else:
-                step.updates[i] = final
+                step.updates[i] = step.owned[i] = final
+
+
+def _leaf_values(part: Segment, chosen: list[int], own: list[list | None], step: _Step, i: int) -> dict[str, Any]:
+    """Leaf ``i``'s values from its statistics in the stages ``chosen``, named as the traced graph names them."""
+    found: dict[str, Any] = {}
+    for j, k in enumerate(chosen):
+        if own[k] is not None:
+            values = own[k][step.leaves[part.stages[k].path].position[i]]
+            found |= {f"{j}.{name}": v for name, v in values.items()}
+    return found
+
+
+def _spreads(traced: Any, values: dict[str, Any], reference: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors of a leaf's spreads in the graph's order, or ``None`` where the kernel cannot read one (a complex
+    leaf, whose elements are pairs of reals; a spread that is not a contiguous tensor of a kernel dtype beside it)."""
+    if reference.is_complex():
+        return None
+    found = []
+    for name in traced.graph.operands:
+        spread = values[name]
+        t = spread.values
+        placed = type(t) in PLAIN_TYPES and t.device == reference.device and t.is_contiguous()
+        if not placed or t.dtype not in KERNEL_DTYPES or t.requires_grad:
+            return None
+        found.append(t)
+    return found
+
+
+def _indexed(values: dict[str, Any], names: list[str], shape: torch.Size) -> list[float]:
+    """A leaf's scalars in the graph's order: its numbers, and each spread's ``Spread.indexing`` for its shape."""
+    found = []
+    for name in names:
+        key, _, part = name.partition(":")
+        if part:
+            inner, count = values[key].indexing(shape)
+            found.append(inner if part == "inner" else count)
+        else:
+            found.append(values[key])
+    return found
 
 
 def _scalars_on_device(kernel: Any, per_stage: list[dict], leaf_values: list[Any]) -> bool:
@@ -973,6 +1086,8 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
             traced = trace(tuple(part.stages[k].decl for k in chosen), number == len(parts) - 1)
             if reason is None and torch.bfloat16 in low and _tensor_weights(traced, [scalars[k] for k in chosen]):
                 reason = "a bfloat16 leaf with a tensor as lerp's weight, addcmul's value or add's alpha"
+            if reason is None and traced.graph.operands and p.is_complex():
+                reason = "a complex leaf with spreads (factored statistics), which the kernel does not read"
             backend = _GENERATED_NAMES[generated_route(p.device)] if reason is None else f"eager: {reason}"
             groups.setdefault((names, backend), []).append(paths[i])
         for (names, backend), members in sorted(groups.items()):

@@ -9,6 +9,10 @@ A transform whose math is per element declares it as an ``Elementwise``:
 - optionally a *reduction*, ``reduce(updates) -> {name: scalar}``, over all of its incoming updates at once (a
   global norm), or a *leaf reduction*, ``reduce_leaf(u, p) -> {name: scalar}``, over one leaf's update and param (a
   trust ratio), whose scalars feed the body like the prologue's;
+- or per-leaf *statistics* (``Statistic``: state leaves of any shape, Adafactor's row and column means) that
+  ``reduce_statistics(scalars, u, p, *statistics) -> ({name: scalar or Spread}, new statistics)`` advances with torch
+  ops, leaf by leaf, on every backend; a ``Spread`` it gives is a value per element broadcast from fewer (a row
+  factor), which the body reads as an element of the leaf;
 - a *body*, ``body(o, s, u, p, *slots) -> (u, *slots)``, the math of one element: ``u`` the incoming update, ``p``
   the param (``None`` unless ``uses_params``), ``s`` the scalars by name, ``o`` the operations beyond Python's
   operators (``o.sqrt``, ``o.sign``, ``o.maximum``, ``o.where``, ``o.cast`` ...);
@@ -29,6 +33,7 @@ as it is.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -62,6 +67,41 @@ class Carried(NamedTuple):
     init: Callable[[], torch.Tensor]
 
 
+class Statistic(NamedTuple):
+    """A tree of per-leaf state of any shape that ``reduce_statistics`` advances (not the body): its field name and
+    its leaf for a param, ``init(p)``."""
+
+    name: str
+    init: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Spread(NamedTuple):
+    """A value per element of a leaf held by fewer numbers: ``values`` has the leaf's shape without its dim ``dim``
+    (the same all along that dim), or, where ``dim`` is ``None``, the leaf's shape or one element (the same
+    everywhere)."""
+
+    values: torch.Tensor
+    dim: int | None = None
+
+    def over(self, leaf: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+        """``values`` as a tensor that broadcasts to ``leaf`` (``pairs``: to a complex leaf's real view)."""
+        values = self.values
+        if self.dim is not None:
+            values = values.unsqueeze(self.dim)
+        elif values.shape != leaf.shape:
+            values = values.reshape(())
+        return values.unsqueeze(-1) if pairs and values.dim() else values
+
+    def indexing(self, shape: torch.Size) -> tuple[int, int]:
+        """``(inner, count)`` such that element ``f`` of a leaf of ``shape`` (flat, contiguous) reads the flat
+        ``values`` at ``(f // (inner * count)) * inner + f % inner``: ``inner`` the elements after ``dim``, ``count``
+        its size."""
+        if self.dim is not None:
+            return math.prod(shape[self.dim + 1 :]), shape[self.dim]
+        numel = math.prod(shape)
+        return (max(numel, 1), 1) if self.values.numel() == numel else (1, max(numel, 1))
+
+
 class SparseRule(NamedTuple):
     """How a declared transform takes a sparse COO update (the gradient of ``nn.Embedding(sparse=True)``), which
     ``fadam._sparse`` runs: ``lazy``, its body runs on the elements the update stores (coalesced first: repeated
@@ -90,6 +130,9 @@ class Elementwise(NamedTuple):
     options: tuple[tuple[str, Any], ...] = ()
     # how it takes sparse COO updates: a SparseRule, or why it refuses them (None: it does not say)
     sparse: SparseRule | str | None = None
+    statistics: tuple[Statistic, ...] = ()  # state fields after the slots
+    # (step scalars, u, p, *statistics leaves) -> (leaf values by name: numbers or Spreads, new statistics leaves)
+    reduce_statistics: Callable[..., tuple[dict[str, Any], tuple[torch.Tensor, ...]]] | None = None
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
@@ -97,16 +140,16 @@ class Elementwise(NamedTuple):
     @property
     def reduces(self) -> bool:
         """Whether the body needs its input updates whole before it runs (a reduction over them)."""
-        return self.reduce is not None or self.reduce_leaf is not None
+        return self.reduce is not None or self.reduce_leaf is not None or self.reduce_statistics is not None
 
     @property
     def stateless(self) -> bool:
-        return not self.counted and not self.slots and not self.carried
+        return not self.counted and not self.slots and not self.carried and not self.statistics
 
     def init(self, params: PyTree) -> Any:
         if self.stateless:
             return self.state_type()
-        if self.slots:
+        if self.slots or self.statistics:
             check_params(params)
         trees = [
             tree_map(
@@ -119,6 +162,7 @@ class Elementwise(NamedTuple):
             )
             for slot in self.slots
         ]
+        trees += [tree_map(lambda p, st=st: None if p is None else st.init(p), params) for st in self.statistics]
         carried = [c.init() for c in self.carried]
         return self.state_type(*([zero_count()] if self.counted else []), *carried, *trees)
 
@@ -130,12 +174,38 @@ class Elementwise(NamedTuple):
             scalars = {**scalars, **self.reduce(updates)}
         return scalars
 
-    def advance(self, state: Any, slot_trees: Sequence[PyTree], scalars: Scalars) -> Any:
-        """The state after the step whose ``scalars`` were computed, holding ``slot_trees``."""
+    def advance(
+        self, state: Any, slot_trees: Sequence[PyTree], scalars: Scalars, statistic_trees: Sequence[PyTree] = ()
+    ) -> Any:
+        """The state after the step whose ``scalars`` were computed, holding ``slot_trees`` and
+        ``statistic_trees``."""
         if self.stateless:
             return state
         carried = [scalars[c.name] for c in self.carried]
-        return self.state_type(*([safe_increment(state.count)] if self.counted else []), *carried, *slot_trees)
+        counted = [safe_increment(state.count)] if self.counted else []
+        return self.state_type(*counted, *carried, *slot_trees, *statistic_trees)
+
+
+def leaf_statistics(
+    decl: Elementwise,
+    scalars: Scalars,
+    updates: list[torch.Tensor | None],
+    params: list[torch.Tensor | None],
+    statistics: list[list[torch.Tensor]],
+) -> tuple[list[dict[str, Any] | None], list[list[torch.Tensor]]]:
+    """``decl.reduce_statistics`` leaf by leaf: each leaf's values for the body (``None`` without an update, whose
+    statistics stay as they are) and each statistic's new leaves."""
+    values: list[dict[str, Any] | None] = []
+    new = [list(leaves) for leaves in statistics]
+    for index, u in enumerate(updates):
+        if u is None:
+            values.append(None)
+            continue
+        own, leaves = decl.reduce_statistics(scalars, u, params[index], *[s[index] for s in statistics])
+        values.append(own)
+        for out, leaf in zip(new, leaves):
+            out[index] = leaf
+    return values, new
 
 
 def elementwise(decl: Elementwise) -> GradientTransformation:
@@ -166,8 +236,13 @@ def elementwise(decl: Elementwise) -> GradientTransformation:
         check_sparse(program, grads, spec)
         param_leaves = spec.flatten_up_to(params) if decl.uses_params else [None] * len(grads)
         scalars = decl.scalars(state, grads)
-        new_updates, new_slots = eager_stage(decl, scalars, grads, param_leaves, slot_lists)
-        return spec.unflatten(new_updates), decl.advance(state, [spec.unflatten(s) for s in new_slots], scalars)
+        own, statistics = None, []
+        if decl.statistics:
+            given = [spec.flatten_up_to(getattr(state, st.name)) for st in decl.statistics]
+            own, statistics = leaf_statistics(decl, scalars, grads, param_leaves, given)
+        new_updates, new_slots = eager_stage(decl, scalars, grads, param_leaves, slot_lists, own)
+        slot_trees, statistic_trees = ([spec.unflatten(s) for s in found] for found in (new_slots, statistics))
+        return spec.unflatten(new_updates), decl.advance(state, slot_trees, scalars, statistic_trees)
 
     return GradientTransformation(decl.init, ProgramUpdate(update, program))
 
@@ -279,6 +354,15 @@ def _leaf_scalars(scalars: Scalars, leaf: torch.Tensor, cache: dict) -> _Namespa
     return found
 
 
+def _own_values(values: dict[str, Any], leaf: torch.Tensor, real: torch.Tensor) -> dict[str, Any]:
+    """A leaf's values from its statistics as its body reads them on its reals ``real``: spreads broadcast over them,
+    numbers as the step's scalars."""
+    numbers = {name: v for name, v in values.items() if not isinstance(v, Spread)}
+    found = _leaf_scalars(numbers, real, {}).__dict__
+    spreads = {name: v.over(leaf, leaf.is_complex()) for name, v in values.items() if isinstance(v, Spread)}
+    return found | spreads
+
+
 def _scalar_for(value: float | torch.Tensor, leaf: torch.Tensor, zero_dim: bool) -> float | torch.Tensor:
     if not isinstance(value, torch.Tensor):
         return torch.tensor(value, dtype=torch.float64) if zero_dim else value
@@ -293,10 +377,12 @@ def eager_stage(
     updates: list[torch.Tensor | None],
     params: list[torch.Tensor | None],
     slots: list[list[torch.Tensor]],
+    own: list[dict[str, Any] | None] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[list[torch.Tensor]]]:
     """Runs ``decl``'s body leaf by leaf with torch ops; returns the updates and each slot's new leaves. A ``None``
     update skips its leaf (torch.optim skips a param without a gradient). Complex leaves run as pairs of reals
-    (``torch.view_as_real``), as torch.optim treats them."""
+    (``torch.view_as_real``), as torch.optim treats them. ``own``: each leaf's values from its statistics
+    (``leaf_statistics``)."""
     new_updates: list[torch.Tensor | None] = []
     new_slots: list[list[torch.Tensor]] = [[] for _ in slots]
     cache: dict = {}
@@ -310,8 +396,10 @@ def eager_stage(
         real = _as_real(u)
         s = _leaf_scalars(scalars, real, cache)
         if decl.reduce_leaf is not None:  # this leaf's own scalars besides the step's
-            own = _leaf_scalars(decl.reduce_leaf(u, params[index]), real, {})
-            s = _Namespace({**s.__dict__, **own.__dict__})
+            found = _leaf_scalars(decl.reduce_leaf(u, params[index]), real, {})
+            s = _Namespace({**s.__dict__, **found.__dict__})
+        elif own is not None:
+            s = _Namespace({**s.__dict__, **_own_values(own[index], u, real)})
         if is_sparse(u):  # real: complex sparse updates are refused (fadam._tree.check_leaves)
             from fadam._sparse import sparse_body  # it runs this module's bodies
 
@@ -533,6 +621,7 @@ class Graph:
         self.inputs: list[Node] = []
         self.scalars: list[str] = []
         self.leaf_scalars: list[str] = []
+        self.operands: list[str] = []  # the leaves' spreads, read after the outputs in a leaf's row
         self._scalar_nodes: dict[str, Node] = {}
 
     def input(self, name: str) -> Node:
@@ -546,6 +635,15 @@ class Graph:
     def leaf_scalar(self, name: str) -> Node:
         """A scalar with a value per leaf (a leaf reduction's)."""
         return self._named(name, "leaf_scalar", self.leaf_scalars)
+
+    def operand(self, name: str) -> Node:
+        """A leaf's ``Spread``: an element value read through its ``Spread.indexing``, whose ``(inner, count)``
+        are the node's arguments, leaf scalars named ``<name>:inner`` and ``<name>:count``."""
+        if name not in self._scalar_nodes:
+            indexing = (self.leaf_scalar(f"{name}:inner"), self.leaf_scalar(f"{name}:count"))
+            self.operands.append(name)
+            self._scalar_nodes[name] = Node(self, "operand", indexing, value=len(self.operands) - 1)
+        return self._scalar_nodes[name]
 
     def _named(self, name: str, op: str, names: list[str]) -> Node:
         """The node of a named scalar, created on first use; ``value`` is its index in ``names``."""
@@ -636,10 +734,11 @@ def trace(decls: tuple[Elementwise, ...], applies: bool) -> Traced:
     slot_inputs = [[graph.input(f"{i}.{slot.name}") for slot in d.slots] for i, d in enumerate(decls)]
     outputs: list[Node] = []
     for i, decl in enumerate(decls):
-        names, leaf_names = _scalar_names(decl)
+        names, leaf_names, operands = _scalar_names(decl)
         s = _Namespace(
             {name: graph.scalar(f"{i}.{name}") for name in names}
             | {name: graph.leaf_scalar(f"{i}.{name}") for name in leaf_names}
+            | {name: graph.operand(f"{i}.{name}") for name in operands}
         )
         result = decl.body(ops, s, u, p if decl.uses_params else None, *slot_inputs[i])
         # each stage returns its update in its input's dtype and its slots in theirs (eager_stage)
@@ -656,14 +755,21 @@ def _cast(graph: Graph, x: Any, like: Node) -> Any:
     return graph.apply("cast", x, like)
 
 
-def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str]]:
-    """The names of ``decl``'s scalars, per step and per leaf, found by running its prologue on a first step (the
-    names never depend on the count), its reduction on no leaves and its leaf reduction on a one-element leaf."""
-    names = list(decl.prologue(zero_count() if decl.counted else None, *(c.init() for c in decl.carried)))
+def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str], list[str]]:
+    """The names of ``decl``'s scalars, per step and per leaf, and of its spreads, found by running its prologue on a
+    first step (the names never depend on the count), its reduction on no leaves and its leaf reduction (or its
+    statistics) on a one-element leaf."""
+    first = decl.prologue(zero_count() if decl.counted else None, *(c.init() for c in decl.carried))
+    names = list(first)
     if decl.reduce is not None:
         names += list(decl.reduce([]))
-    leaf_names = [] if decl.reduce_leaf is None else list(decl.reduce_leaf(torch.ones(1), torch.ones(1)))
-    return names, leaf_names
+    leaf = torch.ones(1)
+    if decl.reduce_statistics is not None:
+        own, _ = decl.reduce_statistics(first, leaf, leaf, *(st.init(leaf) for st in decl.statistics))
+        spreads = [name for name, v in own.items() if isinstance(v, Spread)]
+        return names, [name for name in own if name not in spreads], spreads
+    leaf_names = [] if decl.reduce_leaf is None else list(decl.reduce_leaf(leaf, leaf))
+    return names, leaf_names, []
 
 
 def scalar_values(

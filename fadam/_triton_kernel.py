@@ -74,7 +74,7 @@ from fadam._program import Node, Traced
 
 BLOCK = 1024  # elements per program: 8 per thread of 4 warps
 LARGEST_BLOCK = 1 << 20  # the largest quantization block a program holds: Triton's largest block
-_TL = {"float": "tl.float32", "double": "tl.float64"}  # a computed C type's Triton type
+_TL = {"float": "tl.float32", "double": "tl.float64", "int64_t": "tl.int64"}  # a C type's Triton type
 _POINTEE = {torch.float32: "tl.float32", torch.float64: "tl.float64", torch.bfloat16: "tl.int16"}  # bits in memory
 
 # Each helper computes in its arguments' Triton type; between equal values maximum and minimum take the second
@@ -414,6 +414,14 @@ def _body(
             names[node.index] = names[node.args[0].index]  # already rounded to its dtype
             continue
         name = names[node.index] = f"v{node.index}"
+        if node.op == "operand":  # a spread, read through its indexing (fadam._program.Spread.indexing)
+            inner, count = (scalars.name(arg, "int64_t", False) for arg in node.args)
+            pointer = f"x{node.value} + (at // tl.maximum({inner} * {count}, 1)) * {inner} + at % {inner}"
+            bf16 = types[node.index] == torch.bfloat16
+            lines.append(
+                f"{name} = {f'fadam_load_bf16({pointer}, mask)' if bf16 else f'tl.load({pointer}, mask=mask)'}"
+            )
+            continue
         if node.op == "input":
             k = graph.inputs.index(node)
             if k - layout.first_slot in layout.quantized:
@@ -435,11 +443,16 @@ def _body(
     return lines
 
 
-def _pointers(dtypes: tuple[torch.dtype, ...], out_dtypes: list[torch.dtype], layout: _Layout) -> list[str]:
+def _pointers(
+    dtypes: tuple[torch.dtype, ...], out_dtypes: list[torch.dtype], layout: _Layout, operands: int
+) -> list[str]:
     """The lines that read a leaf's pointers from its row of the table: a plain tensor's (``in``, ``out``), a
     quantized slot's codes and absmax (``c``, ``a``; its map id is read before the launch, into ``maps_in``) and
-    new codes, absmax and map id (``oc``, ``oa``, ``om``)."""
+    new codes, absmax and map id (``oc``, ``oa``, ``om``), then its spreads' (``x``: the last ``operands`` of
+    ``dtypes``)."""
     lines, at = [], 0
+    spread_dtypes = dtypes[len(dtypes) - operands :]
+    dtypes = dtypes[: len(dtypes) - operands]
     for k, dtype in enumerate(dtypes):
         slot = k - layout.first_slot
         if slot in layout.quantized:
@@ -457,6 +470,8 @@ def _pointers(dtypes: tuple[torch.dtype, ...], out_dtypes: list[torch.dtype], la
         else:
             lines.append(f"out{k} = tl.load(row + {at}).to(tl.pointer_type({_POINTEE[dtype]}))")
             at += 1
+    for k, dtype in enumerate(spread_dtypes):
+        lines.append(f"x{k} = tl.load(row + {at + k}).to(tl.pointer_type({_POINTEE[dtype]}))")
     return lines
 
 
@@ -494,7 +509,8 @@ def source(
     dtypes, the last one the first input's) and slots of ``formats`` (``fadam._cpu_kernel.source``'s), and the
     constants its values tensor holds after the step's scalars. ``fadam_kernel(table, leaves, values, BLOCK, FMA)``:
     per leaf, ``table`` holds the inputs' and outputs' data pointers (three for a quantized slot: codes, absmax, map
-    id), then its size and its first program; after the leaves, each program's leaf. With quantized slots it also
+    id) and its spreads' (``Graph.operands``, read at ``Spread.indexing``'s places), then its size and its first
+    program; after the leaves, each program's leaf. With quantized slots it also
     takes ``maps_in`` (each leaf's stored map ids, slot after slot), ``code_maps`` and the encode tables
     (``fadam.quantization._maps``), after ``values``."""
     graph = traced.graph
@@ -505,10 +521,10 @@ def source(
     n_in, n_out = len(graph.inputs), len(traced.outputs)
     out_dtypes = [dtypes[layout.first_slot + k] for k in range(n_out - 1)] + [dtypes[0]]
     widths = layout.widths(n_in, lambda k: k - layout.first_slot) + layout.widths(n_out, lambda k: k)
-    width = sum(widths) + 2
+    width = sum(widths) + len(graph.operands) + 2
     lines = [
         *_positions(width, layout),
-        *_pointers(dtypes, out_dtypes, layout),
+        *_pointers(dtypes, out_dtypes, layout, len(graph.operands)),
         *scalars.declarations(len(graph.leaf_scalars), layout.shape),
         *body,
     ]

@@ -73,6 +73,10 @@ MEMBERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "scale": st.fixed_dictionaries({"step_size": st.sampled_from([-1e-2, 3.0])}),
     "scale_by_learning_rate": st.fixed_dictionaries({"learning_rate": _lr}, optional={"flip_sign": st.booleans()}),
     "keep_params_nonnegative": st.just({}),
+    "scale_by_factored_rms": st.fixed_dictionaries(
+        {"min_dim_size_to_factor": st.sampled_from([2, 4, 128])},
+        optional={"decay_rate": st.sampled_from([0.5, 0.8]), "factored": st.booleans()},
+    ),
     "opaque": st.just({}),  # a user transform without a declaration: it splits the program
     # the hyperparameters as tensors in the state, the inner transform built at each step; b1 is never 0 here: a
     # tensor weight of 1 keeps torch.lerp's signs of zeros (README, the numerics of the generated kernel)
@@ -88,10 +92,12 @@ REDUCING = {
     "scale_by_trust_ratio",
     "scale_by_param_block_rms",
     "normalize_by_update_norm",
+    "scale_by_factored_rms",  # row and column means
 }
 
-# the kernel's chunk (16384), a pass between square roots (512), a quantized block (256 at 8 bits, 128 at 4 bits)
-SHAPES = [(), (1,), (3, 5), (255,), (513,), (4097,), (16_385,), (70_001,)]
+# the kernel's chunk (16384), a pass between square roots (512), a quantized block (256 at 8 bits, 128 at 4 bits),
+# matrices and a 3-d leaf that factored statistics factor
+SHAPES = [(), (1,), (3, 5), (255,), (513,), (4097,), (16_385,), (70_001,), (65, 257), (3, 4, 130)]
 
 
 @st.composite

@@ -300,7 +300,8 @@ def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
         (lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.adamw(1e-2)), [[0, 1, 2, 3]]),
         (lambda: fadam.masked(fadam.adam(1e-2), lambda p: [True] * len(p)), [[0, 1, 2, 3]]),
         (lambda: fadam.inject_hyperparams(fadam.adam)(lr=1e-2), [[0, 1, 2, 3]]),
-        (lambda: fadam.adafactor(), [[0, 1, 2, 3]]),  # not declared
+        (lambda: fadam.adafactor(), [[0, 1], [2], [3]]),  # its statistics reduce over a leaf only
+        (lambda: fadam.sm3(1e-2), [[0, 1, 2, 3]]),  # not declared
     ],
 )
 def test_by_default_chunks_hold_leaves_where_the_declaration_shows_no_coupling(make, chunks):

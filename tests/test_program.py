@@ -165,6 +165,7 @@ PROGRAMS = {
     "block-rms": lambda: fadam.chain(
         fadam.clip_by_block_rms(0.5), fadam.scale_by_adam(), fadam.scale_by_param_block_rms(), _lr(1e-2)
     ),
+    "adafactor": lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2),  # factored statistics of the matrix
 }
 
 
@@ -659,3 +660,80 @@ def test_a_square_root_over_any_number_equals_the_eager_path(divisor, kernel_run
     kernel = fadam.step(tx, _clone(params), grads, tx.init(params))
     assert kernel_runs == [2]
     assert _mismatches(kernel, eager) == []
+
+
+# a factored leaf's two largest dims anywhere among its dims; leaves above the threading threshold; leaves that are
+# not factored (a vector, a matrix with a dim under min_dim_size_to_factor)
+FACTORED_SHAPES = {
+    "rows": (40, 70),
+    "columns": (70, 40),
+    "batched": (3, 40, 70),
+    "between": (40, 3, 70),
+    "outer": (70, 3, 40),
+    "inner": (40, 70, 3),
+    "conv": (70, 40, 3, 3),
+    "large": (300, 301),
+    "vector": (1001,),
+    "narrow": (2, 500),
+}
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_factored_statistics_over_any_two_dims_equal_the_eager_path_bit_for_bit(dtype, donate, kernel_runs):
+    """(bfloat16: ``PROGRAMS["adafactor"]`` on whole vectors of ATen's loops.)"""
+    gen = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in FACTORED_SHAPES.items()}
+    tx = fadam.chain(
+        fadam.scale_by_factored_rms(decay_rate=0.7, step_offset=2, min_dim_size_to_factor=3),
+        fadam.trace(0.9),
+        _lr(1e-2),
+    )
+    report = explain(tx, params)  # one line: every leaf takes the kernel
+    assert report.startswith(f"scale_by_factored_rms -> trace -> scale_by_learning_rate: {KERNEL}: ")
+    assert report.endswith(f"({len(params)} leaves)") and "\n" not in report
+    _side_by_side(tx, params, steps=4, donate=donate)
+    assert kernel_runs == [len(params)] * 4
+
+
+def test_a_factored_leaf_keeps_row_and_column_statistics_only():
+    params = {"w": torch.zeros(40, 70), "b": torch.zeros(70)}
+    state = fadam.scale_by_factored_rms(min_dim_size_to_factor=3).init(params)
+    assert [tuple(state.v_row["w"].shape), tuple(state.v_col["w"].shape), tuple(state.v["w"].shape)] == [
+        (40,),
+        (70,),
+        (1,),
+    ]
+    assert [tuple(state.v_row["b"].shape), tuple(state.v_col["b"].shape), tuple(state.v["b"].shape)] == [
+        (1,),
+        (1,),
+        (70,),
+    ]
+
+
+@pytest.mark.parametrize("shape", [(4, 5), (4, 5, 6), (3, 1, 4), (7,), ()], ids=str)
+def test_a_spread_reads_each_element_where_torch_broadcasts_it(shape):
+    """``Spread.indexing``, which the kernels read a spread by, against ``Spread.over``, which the eager path
+    broadcasts."""
+    from fadam._program import Spread
+
+    leaf = torch.zeros(shape)
+    spreads = [Spread(torch.arange(float(leaf.numel())).reshape(shape)), Spread(torch.tensor(5.0))]
+    for dim in range(len(shape)):
+        dropped = [n for d, n in enumerate(shape) if d != dim]
+        spreads.append(Spread(torch.arange(float(math.prod(dropped))).reshape(dropped), dim))
+    for spread in spreads:
+        inner, count = spread.indexing(leaf.shape)
+        at = torch.arange(leaf.numel())
+        read = spread.values.reshape(-1)[(at // (inner * count)) * inner + at % inner]
+        assert torch.equal(read, spread.over(leaf).expand(shape).reshape(-1)), spread.dim
+
+
+def test_explain_says_why_a_complex_leaf_keeps_its_factored_statistics_eager():
+    params = {"w": torch.zeros(4, 5), "z": torch.zeros(4, 5, dtype=torch.complex64)}
+    report = explain(fadam.scale_by_factored_rms(min_dim_size_to_factor=2), params)
+    assert report.splitlines() == [
+        "scale_by_factored_rms: eager: a complex leaf with spreads (factored statistics), which the kernel does not "
+        "read: ['z']",
+        f"scale_by_factored_rms: {KERNEL}: ['w']",
+    ]

@@ -53,6 +53,7 @@ PROGRAMS = {
     "clip_by_global_norm": lambda: fadam.chain(fadam.clip_by_global_norm(1.0), fadam.trace(0.9), _lr(1e-1)),
     "rms-rsqrt": lambda: fadam.chain(fadam.scale_by_rms(eps_in_sqrt=True), _lr(1e-2)),
     "lamb": lambda: fadam.lamb(1e-2, weight_decay=0.1),  # per-leaf trust ratios, in a second segment
+    "adafactor": lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2),  # row and column factors: spreads
 }
 TAKE_SQUARE_ROOTS = {"adam", "adam-amsgrad", "adam-nesterov", "adamw", "lamb"}  # rsqrt: 1 / the IEEE one, on the CPU
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -216,6 +217,23 @@ def test_three_steps_equal_the_eager_path_bit_for_bit(name, dtype, ieee_sqrt):
         _, params, state = _eager(tx, params, grads, state)
     segment_count = len(segments(program_of(tx).expanded(tx.init(params))[0]))
     assert runs == [len(params)] * (3 * 2 * segment_count)  # one launch per segment for all the leaves
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_factored_statistics_over_any_two_dims_equal_the_eager_path_bit_for_bit(dtype):
+    """A factored leaf's row and column factors broadcast along its two largest dims, wherever they lie."""
+    shapes = {"rows": (6, 9), "columns": (9, 6), "batched": (2, 6, 9), "outer": (9, 2, 6), "inner": (6, 9, 2)}
+    gen = torch.Generator().manual_seed(1)
+    params = {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
+    tx = fadam.chain(fadam.scale_by_factored_rms(min_dim_size_to_factor=3), _lr(1e-2))
+    state = tx.init(params)
+    runs: list[int] = []
+    for step in range(2):
+        grads = _grads(params, seed=step)
+        found = _differences(tx, params, grads, state, runs)
+        assert max(found.values()) == 0, f"step {step}: {found}"
+        _, params, state = _eager(tx, params, grads, state)
+    assert runs == [len(params)] * 4
 
 
 @pytest.mark.parametrize("name", [name for name in PROGRAMS if name in TAKE_SQUARE_ROOTS])

@@ -8,9 +8,10 @@ import torch
 
 from fadam._base import GradientTransformation
 from fadam._dispatch import is_dtensor
-from fadam._numerics import for_leaf, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._validation import check_non_negative, check_state
+from fadam._numerics import for_leaf
+from fadam._program import Elementwise, Spread, Statistic, elementwise
+from fadam._tree import PyTree
+from fadam.transforms._validation import check_non_negative
 
 
 class FactoredState(NamedTuple):
@@ -116,12 +117,8 @@ def scale_by_factored_rms(
     check_non_negative("decay_rate", decay_rate)
     check_non_negative("epsilon", epsilon)
 
-    def init(params: PyTree) -> FactoredState:
-        check_params(params)
-
-        def leaf(p: torch.Tensor | None, part: str) -> torch.Tensor | None:
-            if p is None:
-                return None
+    def statistic(part: str) -> Statistic:
+        def init(p: torch.Tensor) -> torch.Tensor:
             dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
             dtype = _real_dtype(p)
             if dims is None:
@@ -134,51 +131,45 @@ def scale_by_factored_rms(
                 return _dtensor_zeros(p, shape, dims, part, dtype)
             return torch.zeros(shape, dtype=dtype, device=p.device)
 
-        return FactoredState(
-            zero_count(), *(tree_map(lambda p, part=part: leaf(p, part), params) for part in ("v_row", "v_col", "v"))
-        )
+        return Statistic(part, init)
 
-    def update(
-        updates: PyTree, state: FactoredState, params: PyTree | None = None, **_: Any
-    ) -> tuple[PyTree, FactoredState]:
-        if params is None:
-            raise ValueError("scale_by_factored_rms needs params: call update(updates, state, params)")
-        check_state(state, FactoredState, "scale_by_factored_rms")
-        grads, _, spec = check_leaves(updates, params)
-        v_rows, v_cols, vs = (spec.flatten_up_to(x) for x in (state.v_row, state.v_col, state.v))
-        t = (state.count - step_offset).to(torch.float64) + 1.0
-        beta = 1.0 - torch.pow(t, -decay_rate)  # a 0-d CPU tensor: mixes with leaves on any device
-        new_updates, new_rows, new_cols, new_vs = [], [], [], []
-        for g, v_row, v_col, v in zip(grads, v_rows, v_cols, vs):
-            if g is None:
-                new_updates.append(None)
-                new_rows.append(v_row)
-                new_cols.append(v_col)
-                new_vs.append(v)
-                continue
-            grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype) + epsilon
-            beta_g = for_leaf(beta, g)
-            dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
-            if dims is None:
-                decay = beta_g.to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
-                v = decay * v + (1 - decay) * grad_sqr
-                u = g * torch.rsqrt(v).to(g.real.dtype if g.is_complex() else g.dtype)
-            else:
-                second, largest = dims
-                decay = beta_g.to(v_row.dtype)
-                v_row = _placed_like(decay * v_row + (1 - decay) * _mean(grad_sqr, largest), v_row)
-                v_col = _placed_like(decay * v_col + (1 - decay) * _mean(grad_sqr, second), v_col)
-                row_dim = second - 1 if second > largest else second  # ``second`` in v_row, whose ``largest`` is gone
-                row_factor = torch.rsqrt(v_row / _mean(v_row, row_dim, keepdim=True))
-                col_factor = torch.rsqrt(v_col)
-                scale = row_factor.unsqueeze(largest) * col_factor.unsqueeze(second)
-                u = g * scale.to(g.real.dtype if g.is_complex() else g.dtype)
-            new_updates.append(u)
-            new_rows.append(v_row)
-            new_cols.append(v_col)
-            new_vs.append(v)
-        return spec.unflatten(new_updates), FactoredState(
-            safe_increment(state.count), *(spec.unflatten(x) for x in (new_rows, new_cols, new_vs))
-        )
+    def prologue(count: torch.Tensor) -> dict[str, torch.Tensor]:
+        t = (count - step_offset).to(torch.float64) + 1.0
+        return {"decay": 1.0 - torch.pow(t, -decay_rate)}  # a 0-d CPU tensor: mixes with leaves on any device
 
-    return GradientTransformation(init, update)
+    def reduce_statistics(
+        scalars: dict[str, torch.Tensor], g: torch.Tensor, p: torch.Tensor | None, v_row: Any, v_col: Any, v: Any
+    ) -> tuple[dict[str, Spread], tuple[torch.Tensor, ...]]:
+        grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype)
+        grad_sqr = grad_sqr.add_(epsilon) if grad_sqr is not g else grad_sqr + epsilon  # a new tensor: in place
+        decay = for_leaf(scalars["decay"], g).to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
+        dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
+        if dims is None:
+            v = decay * v + (1 - decay) * grad_sqr
+            return {"row": Spread(torch.rsqrt(v)), "col": Spread(torch.ones((), dtype=v.dtype, device=v.device))}, (
+                v_row,
+                v_col,
+                v,
+            )
+        second, largest = dims
+        v_row = _placed_like(decay * v_row + (1 - decay) * _mean(grad_sqr, largest), v_row)
+        v_col = _placed_like(decay * v_col + (1 - decay) * _mean(grad_sqr, second), v_col)
+        row_dim = second - 1 if second > largest else second  # ``second`` in v_row, whose ``largest`` is gone
+        row_factor = torch.rsqrt(v_row / _mean(v_row, row_dim, keepdim=True))
+        return {"row": Spread(row_factor, largest), "col": Spread(torch.rsqrt(v_col), second)}, (v_row, v_col, v)
+
+    def body(o: Any, s: Any, u: Any, p: Any) -> tuple:
+        return (u * o.cast(s.row * s.col, u),)
+
+    decl = Elementwise(
+        "scale_by_factored_rms",
+        FactoredState,
+        (),
+        True,
+        prologue,
+        body,
+        statistics=tuple(statistic(part) for part in ("v_row", "v_col", "v")),
+        reduce_statistics=reduce_statistics,
+        sparse="scale_by_factored_rms takes dense updates only",
+    )
+    return elementwise(decl)
