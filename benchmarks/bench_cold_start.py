@@ -27,6 +27,7 @@ CHAINS = {
     "lion": lambda: fadam.lion(1e-4, weight_decay=1e-2),
     "lion, bfloat16 params": lambda: fadam.lion(1e-4, weight_decay=1e-2),
     "lamb (two segments)": lambda: fadam.lamb(1e-3, weight_decay=1e-2),
+    "adafactor (three segments)": lambda: fadam.adafactor(1e-3),
     "adamw8bit": lambda: fadam.adamw8bit(1e-3, weight_decay=1e-2),
     "lion8bit": lambda: fadam.lion8bit(1e-4, weight_decay=1e-2),
 }
@@ -59,11 +60,11 @@ def main() -> None:
         print(first_step(args.child, args.leaves))
         return
     print(f"first donated step after init, {args.leaves} tensors, {torch.get_num_threads()} threads")
-    print(f"{'chain':<24}{'cold (s)':>10}{'warm (s)':>10}")
+    print(f"{'chain':<28}{'cold (s)':>10}{'warm (s)':>10}")
     for name in CHAINS:
         with tempfile.TemporaryDirectory(prefix="fadam-cold-") as cache:
             cold, warm = in_child(name, args.leaves, cache), in_child(name, args.leaves, cache)
-        print(f"{name:<24}{cold:>10.2f}{warm:>10.2f}")
+        print(f"{name:<28}{cold:>10.2f}{warm:>10.2f}")
 
 
 if __name__ == "__main__":
