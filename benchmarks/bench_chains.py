@@ -95,6 +95,14 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def print_machine(threads: int, bandwidth: float, workloads: str = "") -> None:
+    """The header of a benchmark's table: the CPU, torch, the threads, the bandwidth (then ``workloads``) and the
+    load."""
+    print(f"{cpu_model()}, torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"{threads} threads, in-place bandwidth {bandwidth:.1f} GB/s{workloads}")
+    print(f"load average at start {os.getloadavg()[0]:.2f} (other processes on the machine skew every figure)\n")
+
+
 def fadam_txs(disk_dir: Path) -> dict[str, Callable[[], fadam.GradientTransformation]]:
     """The fadam transforms, built lazily so that a missing or failing one only skips its own row."""
     return {
@@ -215,9 +223,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     bandwidth = inplace_bandwidth_gbs(max(args.rounds, 5))
-    print(f"{cpu_model()}, torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{args.threads} threads, in-place bandwidth {bandwidth:.1f} GB/s, {ELEMENTS:,} fp32 elements per workload")
-    print(f"load average at start {os.getloadavg()[0]:.2f} (other processes on the machine skew every figure)\n")
+    print_machine(args.threads, bandwidth, f", {ELEMENTS:,} fp32 elements per workload")
     workloads = {
         "(a) 1 x 16.8M": [(ELEMENTS,)],
         "(b) 200 tensors": [(ELEMENTS // 200,)] * 199 + [(ELEMENTS - 199 * (ELEMENTS // 200),)],

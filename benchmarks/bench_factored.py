@@ -26,7 +26,7 @@ import statistics
 
 import torch
 from bench_adam import inplace_bandwidth_gbs  # benchmarks/, the script's folder
-from bench_chains import Variant, call, cpu_model
+from bench_chains import Variant, call, print_machine
 
 import fadam
 
@@ -82,9 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     bandwidth = inplace_bandwidth_gbs(max(args.rounds, 5))
-    print(f"{cpu_model()}, torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{args.threads} threads, in-place bandwidth {bandwidth:.1f} GB/s")
-    print(f"load average at start {os.getloadavg()[0]:.2f} (other processes on the machine skew every figure)\n")
+    print_machine(args.threads, bandwidth)
     workloads = {"(a) 1 x 4096x4096": [(4096, 4096)], "(b) 200 x 256x328": [(256, 328)] * 200}
     print(f"median ms per step over {args.rounds} interleaved rounds; ratio = variant / {ANCHOR}")
     print(f"{'variant':<26}{'workload':<20}{'ms':>8}{'ratio':>8}{'bound ms':>10}")

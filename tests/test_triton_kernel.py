@@ -208,15 +208,22 @@ def ieee_sqrt(monkeypatch):
 def test_three_steps_equal_the_eager_path_bit_for_bit(name, dtype, ieee_sqrt):
     tx = PROGRAMS[name]()
     params = _params(dtype)
+    runs = _steps_equal_the_eager_path(tx, params, steps=3)
+    segment_count = len(segments(program_of(tx).expanded(tx.init(params))[0]))
+    assert runs == [len(params)] * (3 * 2 * segment_count)  # one launch per segment for all the leaves
+
+
+def _steps_equal_the_eager_path(tx, params, steps: int) -> list[int]:
+    """Asserts that each of ``steps`` steps from the eager path's trajectory gives its numbers bit for bit, as an
+    update and as an applied step; returns each launch's leaf count."""
     state = tx.init(params)
     runs: list[int] = []
-    for step in range(3):
+    for step in range(steps):
         grads = _grads(params, seed=step)
         found = _differences(tx, params, grads, state, runs)
         assert max(found.values()) == 0, f"step {step}: {found}"
         _, params, state = _eager(tx, params, grads, state)
-    segment_count = len(segments(program_of(tx).expanded(tx.init(params))[0]))
-    assert runs == [len(params)] * (3 * 2 * segment_count)  # one launch per segment for all the leaves
+    return runs
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -226,14 +233,7 @@ def test_factored_statistics_over_any_two_dims_equal_the_eager_path_bit_for_bit(
     gen = torch.Generator().manual_seed(1)
     params = {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in shapes.items()}
     tx = fadam.chain(fadam.scale_by_factored_rms(min_dim_size_to_factor=3), _lr(1e-2))
-    state = tx.init(params)
-    runs: list[int] = []
-    for step in range(2):
-        grads = _grads(params, seed=step)
-        found = _differences(tx, params, grads, state, runs)
-        assert max(found.values()) == 0, f"step {step}: {found}"
-        _, params, state = _eager(tx, params, grads, state)
-    assert runs == [len(params)] * 4
+    assert _steps_equal_the_eager_path(tx, params, steps=2) == [len(params)] * 4
 
 
 @pytest.mark.parametrize("name", [name for name in PROGRAMS if name in TAKE_SQUARE_ROOTS])
