@@ -1,16 +1,19 @@
 """Torch's fused kernels chosen from the program (``fadam._torch_kernels``): which chains are recognized, wherever
-they come from, and that the steps they take are torch.optim's ``fused=True`` steps bit for bit."""
+they come from, that the steps they take are torch.optim's ``fused=True`` steps bit for bit, and how far those steps
+lie from the eager path's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import optree
 import pytest
 import torch
 
 import fadam
 from fadam._program import program_of, state_at
 from fadam._torch_kernels import torch_kernel
+from tests.ulps import param_ulps, ulp, ulps
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -196,3 +199,77 @@ def test_on_cuda_a_schedules_lr_reaches_the_kernel_as_a_float32_tensor(name, ker
     kernel.run(torch.device("cpu"), [torch.ones(3)], [torch.ones(3)], *moments)
     assert given["lr"].dtype == torch.float32 and given["lr"].is_cpu
     assert given["lr"] == torch.tensor(1e-2, dtype=torch.float32)
+
+
+# torch's fused kernels against the eager path, a step at a time from the eager path's trajectory: the bound README
+# states. The params within PARAM_ULPS ulps of the update beyond their own rounding; the state within STATE_ULPS ulps
+# of itself. Where terms may cancel (SGD's momentum ``momentum * buf + g + wd * p``, which torch's kernel computes
+# with a fused multiply-add, and its Nesterov update ``lr * (g + wd * p + momentum * buf')``), in ulps of the terms'
+# magnitude instead
+PARAM_ULPS = 4
+STATE_ULPS = 1
+FUSED_ROUTES = {
+    "adam": (lambda: fadam.adam(1e-2, weight_decay=0.1), "torch._fused_adam_"),
+    "adam-amsgrad": (lambda: fadam.adam(1e-2, amsgrad=True), "torch._fused_adam_"),
+    "adamw": (lambda: fadam.adamw(1e-2, weight_decay=0.1), "torch._fused_adamw_"),
+    "sgd-nesterov": (lambda: fadam.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1), "torch._fused_sgd_"),
+    "adagrad": (lambda: fadam.adagrad(0.1, lr_decay=0.01, weight_decay=0.1), "torch._fused_adagrad_"),
+}
+STATE_TERMS = {"sgd-nesterov": lambda old, g, p: 0.9 * old.abs() + g.abs() + 0.1 * p.abs()}
+UPDATE_TERMS = {"sgd-nesterov": lambda new, g, p: 0.1 * (g.abs() + 0.1 * p.abs() + 0.9 * new.abs())}
+
+
+def _beyond_rounding(found: torch.Tensor, eager: torch.Tensor, scale: torch.Tensor) -> int:
+    """How far a new param ``found`` is from the eager path's beyond the param's own rounding, in ulps of ``scale``."""
+    excess = (found.double() - eager.double()).abs() - ulp(eager)
+    return int(torch.ceil(excess.clamp(min=0) / ulp(scale.to(found.dtype))).max())
+
+
+def _wide_grads(params: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Magnitudes from 1e-6 to 1e2."""
+    found = {}
+    for k, p in params.items():
+        magnitudes = 10.0 ** torch.randint(-6, 3, p.shape, generator=gen)
+        found[k] = (torch.randn(p.shape, generator=gen, dtype=torch.float64) * magnitudes).to(p.dtype)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", FUSED_ROUTES)
+def test_torchs_fused_steps_stay_within_the_stated_bound_of_the_eager_path(name, dtype):
+    make, kernel = FUSED_ROUTES[name]
+    tx = make()
+    gen = torch.Generator().manual_seed(2)
+    params = {"w": torch.randn(3000, generator=gen, dtype=dtype), "b": torch.randn(7, 5, generator=gen, dtype=dtype)}
+    assert {line.split(": ")[1] for line in fadam.explain(tx, params).splitlines()} == {kernel}
+    state = tx.init(params)
+    for step in range(20):
+        grads = _wide_grads(params, gen)
+        with fadam.backend("eager"):
+            updates, eager_state = tx.update(grads, state, params)
+        eager_params = fadam.apply_updates(params, updates)
+        fused_params, fused_state = fadam.step(tx, params, grads, state)
+        moments = [
+            (path, old, new, found)
+            for path, old, new, found in zip(
+                optree.tree_paths(state), *(optree.tree_leaves(s) for s in (state, eager_state, fused_state))
+            )
+            if new.dim()  # the per-element state, not the step count
+        ]
+        for path, old, new, found in moments:
+            key = path[-1]
+            if name in STATE_TERMS:
+                scale = ulp(STATE_TERMS[name](old, grads[key], params[key]).to(dtype))
+                distance = int(torch.ceil((found.double() - new.double()).abs() / scale).max())
+            else:
+                distance = ulps(found, new)
+            assert distance <= STATE_ULPS, (step, path, distance)
+        for k in params:
+            if name in UPDATE_TERMS:
+                new = next(new for path, _, new, _ in moments if path[-1] == k)
+                terms = UPDATE_TERMS[name](new, grads[k], params[k])
+                distance = _beyond_rounding(fused_params[k], eager_params[k], terms)
+            else:
+                distance = param_ulps(fused_params[k], eager_params[k], updates[k])
+            assert distance <= PARAM_ULPS, (step, k, distance)
+        params, state = eager_params, eager_state

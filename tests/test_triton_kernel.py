@@ -18,6 +18,9 @@ from fadam._cpu_kernel import Quantized, cache_dir
 from fadam._execute import segments
 from fadam._program import EagerOps, program_of, trace
 from fadam.quantization._maps import MAP_IDS, encode_tables
+from tests.ulps import param_ulps as _param_ulps
+from tests.ulps import ulp as _ulp
+from tests.ulps import ulps as _ulps
 
 pytest.importorskip("triton")
 
@@ -111,29 +114,6 @@ def _kernel(tx, params, grads, state, applies: bool, kernel_runs: list[int] | No
         return fadam.step(tx, params, grads, state, donate=donate) if applies else tx.update(grads, state, params)
 
 
-_INTEGERS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """The largest distance between ``a`` and ``b`` in units in the last place, element by element: 0 for equal bits
-    (a zero's sign counts: 1 between 0 and -0) and between NaNs, a huge number between a NaN and a number."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.dtype not in _INTEGERS:
-        return 0 if torch.equal(a, b) else 1 << 62  # a step count
-    if a.numel() == 0:
-        return 0
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:  # monotone in the value; -0 just below +0
-        bits = t.view(_INTEGERS[t.dtype]).to(torch.int64)
-        magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-        return torch.where(bits < 0, -magnitude - 1, magnitude)
-
-    distance = (ordered(a) - ordered(b)).abs()
-    distance = torch.where(a.isnan() & b.isnan(), 0, distance)
-    distance = torch.where(a.isnan() != b.isnan(), 1 << 62, distance)
-    return int(distance.max())
-
-
 def _largest_ulps(kernel, eager, what: str) -> dict[str, int]:
     """Per leaf, the largest distance in ulps between the two paths' trees."""
     assert optree.tree_structure(kernel) == optree.tree_structure(eager)
@@ -142,26 +122,6 @@ def _largest_ulps(kernel, eager, what: str) -> dict[str, int]:
         f"{what} {path}": _ulps(a, b)
         for path, a, b in zip(paths, optree.tree_leaves(kernel), optree.tree_leaves(eager))
     }
-
-
-def _ulp(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of ``x``'s dtype at each element's magnitude, in float64."""
-    info = torch.finfo(x.dtype)
-    wide = x.double()
-    spacing = torch.ldexp(torch.ones_like(wide), torch.frexp(wide).exponent - 1) * info.eps
-    return torch.where(wide == 0, info.smallest_normal * info.eps, spacing).clamp(min=info.smallest_normal * info.eps)
-
-
-def _param_ulps(kernel: torch.Tensor, eager: torch.Tensor, update: torch.Tensor) -> int:
-    """How far the kernel's new param is from the eager one, in ulps of the update, beyond the param's own rounding:
-    a param of ``p + u'`` where ``u'`` is ``n`` ulps off ``u`` is at most ``n`` ulps of ``u`` plus one of the param
-    away (0: bit for bit; a cancellation in ``p + u`` can make those many ulps of the param)."""
-    if _ulps(kernel, eager) == 0:
-        return 0
-    excess = (kernel.double() - eager.double()).abs() - _ulp(eager)
-    found = torch.ceil(excess.clamp(min=0) / _ulp(update)).clamp(min=1)
-    found = torch.where(kernel.view(_INTEGERS[kernel.dtype]) == eager.view(_INTEGERS[eager.dtype]), 0, found)
-    return int(torch.nan_to_num(found, nan=2.0**62, posinf=2.0**62).max())
 
 
 def _normwise_ulps(kernel: torch.Tensor, eager: torch.Tensor) -> int:
