@@ -44,6 +44,7 @@ CHAINS: dict[str, Callable[[], fadam.GradientTransformation]] = {
         {"w": "decay", "b": "plain", "s": "plain"},
     ),
     "sgd(momentum)": lambda: fadam.sgd(1e-2, momentum=0.9, nesterov=True),
+    "adafactor": lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2),  # per-leaf statistics and spreads
 }
 STEPS = 4
 SKIPS = {"apply_if_finite(adamw)"}  # given a gradient that is not finite

@@ -737,3 +737,16 @@ def test_explain_says_why_a_complex_leaf_keeps_its_factored_statistics_eager():
         "read: ['z']",
         f"scale_by_factored_rms: {KERNEL}: ['w']",
     ]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_statistics_are_decoded_and_requantized_as_quantize_state_does(bits, kernel_runs):
+    """``quantize_state`` keeps a large full second moment (a vector's) quantized; the executor decodes it for the
+    statistics and requantizes the new one, as that wrapper's own update does."""
+    gen = torch.Generator().manual_seed(0)
+    params = {"v": torch.randn(513, generator=gen), "w": torch.randn(65, 257, generator=gen)}
+    inner = fadam.chain(fadam.scale_by_factored_rms(min_dim_size_to_factor=3), _lr(1e-2))
+    tx = fadam.quantize_state(inner, bits=bits, min_size=256)
+    assert type(tx.init(params).inner_state[0].v["v"]).__name__ == "QuantizedArray"
+    _side_by_side(tx, params, steps=3, donate=True)
+    assert kernel_runs == [2] * 3
