@@ -140,17 +140,14 @@ def scale_by_factored_rms(
     def reduce_statistics(
         scalars: dict[str, torch.Tensor], g: torch.Tensor, p: torch.Tensor | None, v_row: Any, v_col: Any, v: Any
     ) -> tuple[dict[str, Spread], tuple[torch.Tensor, ...]]:
-        grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype)
-        grad_sqr = grad_sqr.add_(epsilon) if grad_sqr is not g else grad_sqr + epsilon  # a new tensor: in place
+        # a new tensor, so the epsilon goes in in place (autograd saved g, not the square)
+        grad_sqr = (g.abs() ** 2 if g.is_complex() else g * g).to(v.dtype).add_(epsilon)
         decay = for_leaf(scalars["decay"], g).to(v.dtype)  # same dtype: a 0-d leaf must not be promoted to float64
         dims = _factored_dims(g.shape, factored, min_dim_size_to_factor)
         if dims is None:
             v = decay * v + (1 - decay) * grad_sqr
-            return {"row": Spread(torch.rsqrt(v)), "col": Spread(torch.ones((), dtype=v.dtype, device=v.device))}, (
-                v_row,
-                v_col,
-                v,
-            )
+            one = torch.ones((), dtype=v.dtype, device=v.device)
+            return {"row": Spread(torch.rsqrt(v)), "col": Spread(one)}, (v_row, v_col, v)
         second, largest = dims
         v_row = _placed_like(decay * v_row + (1 - decay) * _mean(grad_sqr, largest), v_row)
         v_col = _placed_like(decay * v_col + (1 - decay) * _mean(grad_sqr, second), v_col)
