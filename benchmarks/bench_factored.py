@@ -8,7 +8,8 @@ steps are donated, ``fadam.step(tx, params, grads, state, donate=True)``, with f
 - ``fadam.adafactor``: optax's Adafactor, ``chain(scale_by_factored_rms, clip_by_block_rms, scale_by_learning_rate,
   scale_by_param_block_rms, scale(-1))``: the row and column means by torch ops, then three kernel passes (the
   factored scaling, the RMS clip and learning rate, the param-scaled step), each after its per-leaf reduction;
-- ``fadam.adafactor_torch``: torch.optim.Adafactor's algorithm, which runs eagerly;
+- ``fadam.adafactor_torch``: torch.optim.Adafactor's algorithm, its row and column means by torch ops, then two
+  kernel passes (the factored scaling; the RMS clip and relative step, after the update's and the params' norms);
 - the anchors: ``torch.optim.Adafactor(foreach=True)`` and ``AdamW(fused=True)`` (for scale).
 
 The bound is what an Adafactor step must move at the least, over the in-place bandwidth measured here: read the

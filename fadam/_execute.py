@@ -332,10 +332,11 @@ class _StageLeaves(NamedTuple):
 
 def _stage_leaves(
     program: Program, state: Any, params: PyTree, param_leaves: list[Any], spec: Any
-) -> dict[tuple, _StageLeaves] | None:
+) -> dict[int, _StageLeaves] | None:
     """Each declared stage's leaves, or ``None`` where a state is not laid out as its stage's ``init`` lays it out
     (another type, an OrderedDict of the params' dict...): the eager path then matches it or names the problem.
-    ``param_leaves``: the leaves of ``params`` in the order of ``spec``."""
+    ``param_leaves``: the leaves of ``params`` in the order of ``spec``. Keyed by ``id(stage)``: the stages of one
+    transform may share its state (``Elementwise.shares_count``), and so a path."""
     found = {}
     everything = [True] * len(param_leaves)
     every_position: list[int | None] = list(range(len(param_leaves)))
@@ -365,7 +366,7 @@ def _stage_leaves(
         statistics = [_slot_leaves(getattr(stage_state, st.name), like) for st in stage.decl.statistics]
         if any(leaves is None or any(_sharded_codes(t) for t in leaves) for leaves in statistics):
             return None
-        found[stage.path] = _StageLeaves(selected, slots, positions, like, statistics)
+        found[id(stage)] = _StageLeaves(selected, slots, positions, like, statistics)
     return found
 
 
@@ -405,8 +406,8 @@ class _Step(NamedTuple):
     updates: Leaves  # the current updates; None once applied to the param
     new_params: Leaves
     applied: list[bool]
-    leaves: dict[tuple, _StageLeaves]
-    into: dict[tuple, _StageLeaves] | None  # where the new slots go (``run_step``'s ``into``), else None
+    leaves: dict[int, _StageLeaves]
+    into: dict[int, _StageLeaves] | None  # where the new slots go (``run_step``'s ``into``), else None
     sums: Written | None  # ``run_step``'s ``sums``
     # leaf -> the update a kernel wrote into a new tensor this step: a later kernel may write over it
     owned: dict[int, torch.Tensor]
@@ -589,26 +590,26 @@ def _copied(state: PyTree, into: PyTree) -> PyTree:
     return into
 
 
-def _segment_slots(part: Segment, leaves: dict[tuple, _StageLeaves], count: int) -> list[list[Any]]:
+def _segment_slots(part: Segment, leaves: dict[int, _StageLeaves], count: int) -> list[list[Any]]:
     """Every leaf's slot leaves in ``part`` (``_slots_of`` for each of ``count`` leaves)."""
     if any(stage.selections for stage in part.stages):
         return [_slots_of(part, leaves, i) for i in range(count)]
-    columns = [slot for stage in part.stages for slot in leaves[stage.path].slots]
+    columns = [slot for stage in part.stages for slot in leaves[id(stage)].slots]
     return [list(row) for row in zip(*columns)] if columns else [[] for _ in range(count)]
 
 
-def _slots_of(part: Segment, leaves: dict[tuple, _StageLeaves], i: int) -> list[torch.Tensor]:
+def _slots_of(part: Segment, leaves: dict[int, _StageLeaves], i: int) -> list[torch.Tensor]:
     """Leaf ``i``'s slot leaves in ``part``, over the stages that apply to it, in order."""
     found = []
     for stage in part.stages:
-        entry = leaves[stage.path]
+        entry = leaves[id(stage)]
         if entry.position[i] is not None:
             found.extend(slot[entry.position[i]] for slot in entry.slots)
     return found
 
 
 def _any_fast_leaf(
-    parts: list[Segment], params: Leaves, grads: Leaves, leaves: dict[tuple, _StageLeaves], applies: bool
+    parts: list[Segment], params: Leaves, grads: Leaves, leaves: dict[int, _StageLeaves], applies: bool
 ) -> bool:
     """Whether a leaf may take a kernel: the generated one in the first declared segment, or torch's in the last."""
     if torch.compiler.is_compiling():  # ctypes calls cannot be traced; inductor fuses the traced update itself
@@ -636,7 +637,7 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
     stages advanced. ``torch_kernels``: torch's fused kernels may take its groups (``_torch_kernels_may_run``)."""
     grad_enabled = torch.is_grad_enabled()
     stage_states = [state_at(state, stage.path) for stage in part.stages]
-    entries = [step.leaves[stage.path] for stage in part.stages]
+    entries = [step.leaves[id(stage)] for stage in part.stages]
     scalars = [
         stage.decl.scalars(stage_state, [u for u, keep in zip(step.updates, entry.selected) if keep])
         for stage, stage_state, entry in zip(part.stages, stage_states, entries)
@@ -688,7 +689,7 @@ def _statistics(part: Segment, scalars: list[dict], step: _Step) -> tuple[list[l
     own: list[list | None] = []
     new: list[list] = []
     for stage, found in zip(part.stages, scalars):
-        entry = step.leaves[stage.path]
+        entry = step.leaves[id(stage)]
         if stage.decl.reduce_statistics is None:
             own.append(None)
             new.append([])
@@ -756,7 +757,7 @@ def _run_torch_kernel(
 
 def _store(part: Segment, chosen: list[int], step: _Step, new_slots: list, group: list[int], outputs: list) -> None:
     """Puts each leaf of ``group``'s new slot leaves (``outputs``, in ``_slots_of``'s order) into ``new_slots``."""
-    targets = [(new_slots[k], step.leaves[part.stages[k].path].position) for k in chosen if new_slots[k]]
+    targets = [(new_slots[k], step.leaves[id(part.stages[k])].position) for k in chosen if new_slots[k]]
     for i, leaves in zip(group, outputs):
         found = iter(leaves)
         for slots, position in targets:
@@ -782,7 +783,7 @@ def _run_eager(
     updates = [step.updates[i] for i in members]
     for k in chosen:
         stage = part.stages[k]
-        decl, entry = stage.decl, step.leaves[stage.path]
+        decl, entry = stage.decl, step.leaves[id(stage)]
         where = [entry.position[i] for i in members]
         params = [step.params[i] for i in members] if decl.uses_params else [None] * len(members)
         given = [[s[w] for w in where] for s in new_slots[k]]
@@ -839,13 +840,14 @@ def _run_kernel(
     # the leaves by the dtypes the kernel reads (a complex leaf's: its reals'), a quantized slot marked as such
     by_layout: dict[tuple, list[int]] = {}
     real = _REAL.get
-    own_values = {i: _leaf_values(part, chosen, own, step, i) for i in members} if traced.graph.operands else {}
+    with_values = any(own[k] is not None for k in chosen)
+    own_values = {i: _leaf_values(part, chosen, own, step, i) for i in members} if with_values else {}
     eager: list[int] = []
     for i, slot_leaves in members.items():
         reference = _reference(step, i)
         dtype = reference.dtype
         slot_dtypes = [_QUANTIZED if type(t) is QuantizedArray else real(t.dtype, t.dtype) for t in slot_leaves]
-        spreads = _spreads(traced, own_values[i], reference) if own_values else ()
+        spreads = _spreads(traced, own_values[i], reference) if traced.graph.operands else ()
         if spreads is None:
             eager.append(i)
             continue
@@ -930,7 +932,7 @@ def _leaf_values(part: Segment, chosen: list[int], own: list[list | None], step:
     found: dict[str, Any] = {}
     for j, k in enumerate(chosen):
         if own[k] is not None:
-            values = own[k][step.leaves[part.stages[k].path].position[i]]
+            values = own[k][step.leaves[id(part.stages[k])].position[i]]
             found |= {f"{j}.{name}": v for name, v in values.items()}
     return found
 
@@ -1062,14 +1064,14 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
             continue
         scalars = [  # as the step computes them, here from the given grads
             stage.decl.scalars(
-                state_at(state, stage.path), [g for g, keep in zip(grad_leaves, leaves[stage.path].selected) if keep]
+                state_at(state, stage.path), [g for g, keep in zip(grad_leaves, leaves[id(stage)].selected) if keep]
             )
             for stage in part.stages
         ]
         recorded = any(_graph_scalar(v, grad_enabled) for found in scalars for v in found.values())
         groups: dict[tuple[str, str], list[str]] = {}
         for i, (p, g) in enumerate(zip(param_leaves, grad_leaves)):
-            chosen = [k for k, s in enumerate(part.stages) if leaves[s.path].selected[i]]
+            chosen = [k for k, s in enumerate(part.stages) if leaves[id(s)].selected[i]]
             names = " -> ".join(part.stages[k].decl.name for k in chosen)
             if not names:
                 continue  # its mask leaves the leaf out of every stage here
@@ -1093,7 +1095,18 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
         for (names, backend), members in sorted(groups.items()):
             shown = ", ".join(members[:4]) + (f", ... ({len(members)} leaves)" if len(members) > 4 else "")
             lines.append(f"{names}: {backend}: {shown}")
+        state = _counted_on(part, state, scalars)
     return "\n".join(lines)
+
+
+def _counted_on(part: Segment, state: Any, scalars: list[dict]) -> Any:
+    """``state`` with the counts (and carried values) of ``part``'s stages advanced as a step advances them, its
+    slots and statistics as they are: what the later segments' prologues read (``Elementwise.shares_count``)."""
+    for stage, found in zip(part.stages, scalars):
+        held = state_at(state, stage.path)
+        trees = [[getattr(held, field.name) for field in kind] for kind in (stage.decl.slots, stage.decl.statistics)]
+        state = with_state_at(state, stage.path, stage.decl.advance(held, trees[0], found, trees[1]))
+    return state
 
 
 _GENERATED_NAMES = {"cpu": "generated CPU kernel", "triton": "generated Triton kernel"}

@@ -27,7 +27,8 @@ computed once in double precision as the eager body would compute it.
 
 ``chain`` composes its members' declarations into a ``Program``: a sequence of stages, each a declaration with the
 place of its state in the chain's state, or an opaque transform (plain ``init``/``update``), which the backends run
-as it is.
+as it is. A transform may be a program of several stages itself, on one state: torch's Adafactor scales by a norm of
+its first stage's whole update in a second stage, which reads the count that the first advanced (``shares_count``).
 """
 
 from __future__ import annotations
@@ -76,28 +77,31 @@ class Statistic(NamedTuple):
 
 
 class Spread(NamedTuple):
-    """A value per element of a leaf held by fewer numbers: ``values`` has the leaf's shape without its dim ``dim``
-    (the same all along that dim), or, where ``dim`` is ``None``, the leaf's shape or one element (the same
-    everywhere)."""
+    """A value per element of a leaf held by fewer numbers: ``values`` has the leaf's shape without its ``span``
+    consecutive dims from ``dim`` on (the same all along them), or, where ``dim`` is ``None``, the leaf's shape or
+    one element (the same everywhere)."""
 
     values: torch.Tensor
     dim: int | None = None
+    span: int = 1
 
     def over(self, leaf: torch.Tensor, pairs: bool = False) -> torch.Tensor:
         """``values`` as a tensor that broadcasts to ``leaf`` (``pairs``: to a complex leaf's real view)."""
         values = self.values
         if self.dim is not None:
-            values = values.unsqueeze(self.dim)
+            for _ in range(self.span):
+                values = values.unsqueeze(self.dim)
         elif values.shape != leaf.shape:
             values = values.reshape(())
         return values.unsqueeze(-1) if pairs and values.dim() else values
 
     def indexing(self, shape: torch.Size) -> tuple[int, int]:
         """``(inner, count)`` such that element ``f`` of a leaf of ``shape`` (flat, contiguous) reads the flat
-        ``values`` at ``(f // (inner * count)) * inner + f % inner``: ``inner`` the elements after ``dim``, ``count``
-        its size."""
+        ``values`` at ``(f // (inner * count)) * inner + f % inner``: ``inner`` the elements after the dims spread
+        over, ``count`` theirs."""
         if self.dim is not None:
-            return math.prod(shape[self.dim + 1 :]), shape[self.dim]
+            end = self.dim + self.span
+            return math.prod(shape[end:]), math.prod(shape[self.dim : end])
         numel = math.prod(shape)
         return (max(numel, 1), 1) if self.values.numel() == numel else (1, max(numel, 1))
 
@@ -133,6 +137,9 @@ class Elementwise(NamedTuple):
     statistics: tuple[Statistic, ...] = ()  # state fields after the slots
     # (step scalars, u, p, *statistics leaves) -> (leaf values by name: numbers or Spreads, new statistics leaves)
     reduce_statistics: Callable[..., tuple[dict[str, Any], tuple[torch.Tensor, ...]]] | None = None
+    # a stage without state of its own that reads the count of the stage before it at its path (one transform's
+    # stages sharing its state): its prologue runs after that stage advanced it, on the steps taken, this one included
+    shares_count: bool = False
 
     def option(self, name: str) -> Any:
         return dict(self.options)[name]
@@ -168,7 +175,7 @@ class Elementwise(NamedTuple):
 
     def scalars(self, state: Any, updates: list[torch.Tensor | None]) -> Scalars:
         """The per-step scalars for ``state``: the prologue's, then the reduction's over ``updates``."""
-        count = state.count if self.counted else None
+        count = state.count if self.counted or self.shares_count else None
         scalars = self.prologue(count, *(getattr(state, c.name) for c in self.carried))
         if self.reduce is not None:
             scalars = {**scalars, **self.reduce(updates)}
@@ -237,7 +244,7 @@ def elementwise(decl: Elementwise) -> GradientTransformation:
         param_leaves = spec.flatten_up_to(params) if decl.uses_params else [None] * len(grads)
         scalars = decl.scalars(state, grads)
         own, statistics = None, []
-        if decl.statistics:
+        if decl.reduce_statistics is not None:
             given = [spec.flatten_up_to(getattr(state, st.name)) for st in decl.statistics]
             own, statistics = leaf_statistics(decl, scalars, grads, param_leaves, given)
         new_updates, new_slots = eager_stage(decl, scalars, grads, param_leaves, slot_lists, own)
@@ -759,7 +766,8 @@ def _scalar_names(decl: Elementwise) -> tuple[list[str], list[str], list[str]]:
     """The names of ``decl``'s scalars, per step and per leaf, and of its spreads, found by running its prologue on a
     first step (the names never depend on the count), its reduction on no leaves and its leaf reduction (or its
     statistics) on a one-element leaf."""
-    first = decl.prologue(zero_count() if decl.counted else None, *(c.init() for c in decl.carried))
+    count = safe_increment(zero_count()) if decl.shares_count else zero_count() if decl.counted else None
+    first = decl.prologue(count, *(c.init() for c in decl.carried))
     names = list(first)
     if decl.reduce is not None:
         names += list(decl.reduce([]))

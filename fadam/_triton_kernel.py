@@ -94,8 +94,8 @@ def fadam_round_bf16(x):
 
 
 @triton.jit
-def fadam_load_bf16(pointer, mask):
-    bits = tl.load(pointer, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32)
+def fadam_load_bf16(pointer, mask, other):
+    bits = tl.load(pointer, mask=mask, other=other).to(tl.uint16, bitcast=True).to(tl.uint32)
     return (bits << 16).to(tl.float32, bitcast=True)
 
 
@@ -418,9 +418,9 @@ def _body(
             inner, count = (scalars.name(arg, "int64_t", False) for arg in node.args)
             pointer = f"x{node.value} + (at // tl.maximum({inner} * {count}, 1)) * {inner} + at % {inner}"
             bf16 = types[node.index] == torch.bfloat16
-            lines.append(
-                f"{name} = {f'fadam_load_bf16({pointer}, mask)' if bf16 else f'tl.load({pointer}, mask=mask)'}"
-            )
+            # 1 past the leaf's end: a body may divide by a spread (the interpreter would warn of 0 / 0 there)
+            load = f"fadam_load_bf16({pointer}, mask, 1.0)" if bf16 else f"tl.load({pointer}, mask=mask, other=1.0)"
+            lines.append(f"{name} = {load}")
             continue
         if node.op == "input":
             k = graph.inputs.index(node)
@@ -428,7 +428,7 @@ def _body(
                 lines.extend(_decode(k - layout.first_slot, name, layout))
                 continue
             bf16 = dtypes[k] == torch.bfloat16
-            load = f"fadam_load_bf16(in{k} + at, mask)" if bf16 else f"tl.load(in{k} + at, mask=mask)"
+            load = f"fadam_load_bf16(in{k} + at, mask, 0.0)" if bf16 else f"tl.load(in{k} + at, mask=mask)"
             lines.append(f"{name} = {load}")
             continue
         args = [_argument(node, k, names, types, scalars) for k in range(len(node.args))]

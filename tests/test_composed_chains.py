@@ -77,6 +77,9 @@ MEMBERS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         {"min_dim_size_to_factor": st.sampled_from([2, 4, 128])},
         optional={"decay_rate": st.sampled_from([0.5, 0.8]), "factored": st.booleans()},
     ),
+    "scale_by_adafactor_torch": st.fixed_dictionaries(
+        {"lr": _lr}, optional={"beta2_decay": st.sampled_from([-0.8, -0.5]), "d": st.sampled_from([1.0, 1.5])}
+    ),
     "opaque": st.just({}),  # a user transform without a declaration: it splits the program
     # the hyperparameters as tensors in the state, the inner transform built at each step; b1 is never 0 here: a
     # tensor weight of 1 keeps torch.lerp's signs of zeros (README, the numerics of the generated kernel)
@@ -93,6 +96,7 @@ REDUCING = {
     "scale_by_param_block_rms",
     "normalize_by_update_norm",
     "scale_by_factored_rms",  # row and column means
+    "scale_by_adafactor_torch",  # row and column means, the update's and the params' norms
 }
 
 # the kernel's chunk (16384), a pass between square roots (512), a quantized block (256 at 8 bits, 128 at 4 bits),

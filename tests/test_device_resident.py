@@ -45,6 +45,7 @@ CHAINS: dict[str, Callable[[], fadam.GradientTransformation]] = {
     ),
     "sgd(momentum)": lambda: fadam.sgd(1e-2, momentum=0.9, nesterov=True),
     "adafactor": lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2),  # per-leaf statistics and spreads
+    "adafactor_torch": lambda: fadam.adafactor_torch(1e-2, weight_decay=0.1),  # two stages on one state
 }
 STEPS = 4
 SKIPS = {"apply_if_finite(adamw)"}  # given a gradient that is not finite

@@ -301,6 +301,7 @@ def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
         (lambda: fadam.masked(fadam.adam(1e-2), lambda p: [True] * len(p)), [[0, 1, 2, 3]]),
         (lambda: fadam.inject_hyperparams(fadam.adam)(lr=1e-2), [[0, 1, 2, 3]]),
         (lambda: fadam.adafactor(), [[0, 1], [2], [3]]),  # its statistics reduce over a leaf only
+        (lambda: fadam.adafactor_torch(), [[0, 1], [2], [3]]),  # and so do its relative step's norms
         (lambda: fadam.sm3(1e-2), [[0, 1, 2, 3]]),  # not declared
     ],
 )

@@ -696,6 +696,25 @@ def test_factored_statistics_over_any_two_dims_equal_the_eager_path_bit_for_bit(
     assert kernel_runs == [len(params)] * 4
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_torchs_adafactor_runs_its_two_stages_in_the_kernel_bit_for_bit(dtype, donate, kernel_runs):
+    """Its moment's stage (statistics over the last two dims, then ``g / sqrt(row * col / mean)``) and its relative
+    step's (the update's RMS clip and the params' RMS, which need the first stage's whole update), on one state."""
+    gen = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in FACTORED_SHAPES.items()}
+    tx = fadam.adafactor_torch(_schedule, eps=(1e-20, 1e-2), d=1.5, weight_decay=0.1, maximize=True)
+    report = explain(tx, params).splitlines()
+    assert [line.split(":")[0] for line in report] == [
+        "scale",  # maximize: its statistics read the negated gradient whole
+        "scale_by_adafactor_torch",
+        "scale_by_adafactor_torch's relative step -> add_decoupled_weight_decay",
+    ]
+    assert all(line.split(": ")[1] == KERNEL and f"({len(params)} leaves)" in line for line in report)
+    _side_by_side(tx, params, steps=4, donate=donate)
+    assert kernel_runs == [len(params)] * 3 * 4  # a call per segment
+
+
 def test_a_factored_leaf_keeps_row_and_column_statistics_only():
     params = {"w": torch.zeros(40, 70), "b": torch.zeros(70)}
     state = fadam.scale_by_factored_rms(min_dim_size_to_factor=3).init(params)
@@ -720,13 +739,14 @@ def test_a_spread_reads_each_element_where_torch_broadcasts_it(shape):
     leaf = torch.zeros(shape)
     spreads = [Spread(torch.arange(float(leaf.numel())).reshape(shape)), Spread(torch.tensor(5.0))]
     for dim in range(len(shape)):
-        dropped = [n for d, n in enumerate(shape) if d != dim]
-        spreads.append(Spread(torch.arange(float(math.prod(dropped))).reshape(dropped), dim))
+        for span in range(1, len(shape) - dim + 1):  # dims dim .. dim + span - 1 dropped
+            dropped = [n for d, n in enumerate(shape) if not dim <= d < dim + span]
+            spreads.append(Spread(torch.arange(float(math.prod(dropped))).reshape(dropped), dim, span))
     for spread in spreads:
         inner, count = spread.indexing(leaf.shape)
         at = torch.arange(leaf.numel())
         read = spread.values.reshape(-1)[(at // (inner * count)) * inner + at % inner]
-        assert torch.equal(read, spread.over(leaf).expand(shape).reshape(-1)), spread.dim
+        assert torch.equal(read, spread.over(leaf).expand(shape).reshape(-1)), (spread.dim, spread.span)
 
 
 def test_explain_says_why_a_complex_leaf_keeps_its_factored_statistics_eager():

@@ -57,6 +57,7 @@ PROGRAMS = {
     "rms-rsqrt": lambda: fadam.chain(fadam.scale_by_rms(eps_in_sqrt=True), _lr(1e-2)),
     "lamb": lambda: fadam.lamb(1e-2, weight_decay=0.1),  # per-leaf trust ratios, in a second segment
     "adafactor": lambda: fadam.adafactor(1e-2, min_dim_size_to_factor=2),  # row and column factors: spreads
+    "adafactor_torch": lambda: fadam.adafactor_torch(1e-2, weight_decay=0.1),  # two stages on one state
 }
 TAKE_SQUARE_ROOTS = {"adam", "adam-amsgrad", "adam-nesterov", "adamw", "lamb"}  # rsqrt: 1 / the IEEE one, on the CPU
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

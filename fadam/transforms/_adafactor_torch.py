@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 
 from fadam._base import GradientTransformation, ScalarOrSchedule
-from fadam._numerics import for_leaf, host_number, safe_increment, zero_count
-from fadam._tree import PyTree, check_leaves, check_params, tree_map
-from fadam.transforms._validation import UnsupportedParamsError, check_state
+from fadam._execute import run_update
+from fadam._numerics import for_leaf, host_number
+from fadam._program import Elementwise, Program, Spread, Stage, Statistic, elementwise, with_program
+from fadam._tree import PyTree
+from fadam.transforms._validation import UnsupportedParamsError
 
 
 class ScaleByAdafactorTorchState(NamedTuple):
@@ -55,15 +58,22 @@ def _stat(p: torch.Tensor | None, part: str) -> torch.Tensor | None:
     return p.new_zeros(shape)
 
 
-def _step_numbers(lr: Any, count: torch.Tensor, beta2_decay: float) -> tuple[Any, Any]:
-    """The step's averaging weight ``t ** beta2_decay`` and relative step ``min(lr, t ** -0.5)``, ``t`` counted from
-    1: Python doubles for a plain count and lr, as torch computes them, else 0-d float64 tensors."""
+def _averaging_weight(count: torch.Tensor, beta2_decay: float) -> Any:
+    """``t ** beta2_decay`` for the step after ``count`` (``t`` counted from 1): a Python double for a count on the
+    host, as torch computes it, else a 0-d float64 tensor."""
+    n = host_number(count)
+    if isinstance(n, int):
+        return (n + 1) ** beta2_decay
+    return (count.to(torch.float64) + 1) ** beta2_decay
+
+
+def _relative_step(lr: Any, count: torch.Tensor) -> Any:
+    """``min(lr, t ** -0.5)`` for the step after ``count``, as ``_averaging_weight``."""
     n = host_number(count)
     if isinstance(n, int) and not isinstance(lr, torch.Tensor):
-        t = n + 1
-        return t**beta2_decay, min(lr, 1 / (t**0.5))
+        return min(lr, 1 / ((n + 1) ** 0.5))
     t = count.to(torch.float64) + 1
-    return t**beta2_decay, torch.minimum(torch.as_tensor(lr, dtype=torch.float64), 1 / t**0.5)
+    return torch.minimum(torch.as_tensor(lr, dtype=torch.float64), 1 / t**0.5)
 
 
 def _rms(x: torch.Tensor, d: float = 1.0) -> torch.Tensor:
@@ -77,17 +87,27 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: Any) -> torch.Tensor:
     return torch.lerp(start, end, weight.to(start.dtype) if isinstance(weight, torch.Tensor) else weight)
 
 
-def _second_moment(
+def _moment_values(
     g: torch.Tensor, row: torch.Tensor, col: torch.Tensor, var: torch.Tensor, weight: Any, eps1: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The variance estimate of ``g`` and the new statistics, in torch.optim.Adafactor's order of operations."""
+) -> tuple[dict[str, Any], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The new statistics of ``g``'s leaf, in torch.optim.Adafactor's order of operations, and the body's values:
+    its variance estimate is ``row * col / mean`` (torch's ``row @ col``, a product of one term per element, then its
+    division by the rows' mean), which for a leaf of fewer than 2 dims is its full variance times 1 over 1."""
     if g.dim() > 1:
         row = _lerp(row, torch.linalg.vector_norm(g, dim=-1, keepdim=True).square() / g.size(-1), weight)
         col = _lerp(col, torch.linalg.vector_norm(g, dim=-2, keepdim=True).square() / g.size(-2), weight)
-        estimate = (row @ col) / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
-        return estimate, row, col, var
-    var = _lerp(var, g * g, weight)
-    return var, row, col, var
+        mean = row.mean(dim=-2, keepdim=True).clamp(min=eps1)
+        dims = g.dim()
+        values = {
+            "row": Spread(row.squeeze(-1), dims - 1),
+            "col": Spread(col.squeeze(-2), dims - 2),
+            "mean": Spread(mean.reshape(mean.shape[:-2]), dims - 2, span=2),
+        }
+    else:
+        var = _lerp(var, g * g, weight)
+        one = torch.ones((), dtype=var.dtype, device=var.device)
+        values = {"row": Spread(var), "col": Spread(one), "mean": Spread(one)}
+    return values | {"floor": eps1 * eps1}, (row, col, var)
 
 
 def scale_by_adafactor_torch(
@@ -131,34 +151,71 @@ def scale_by_adafactor_torch(
     """
     check_adafactor_torch_args(lr, beta2_decay, eps, d, 0.0)
 
-    def init(params: PyTree) -> ScaleByAdafactorTorchState:
-        check_params(params)
-        parts = (tree_map(lambda p, part=part: _stat(p, part), params) for part in ("row_var", "col_var", "variance"))
-        return ScaleByAdafactorTorchState(zero_count(), *parts)
+    def moment_prologue(count: torch.Tensor) -> dict[str, Any]:
+        return {"weight": _averaging_weight(count, beta2_decay)}
+
+    def reduce_moment(
+        scalars: dict[str, Any], g: torch.Tensor, p: torch.Tensor | None, row: Any, col: Any, var: Any
+    ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+        eps1 = torch.finfo(g.dtype).eps if eps[0] is None else eps[0]
+        return _moment_values(g, row, col, var, for_leaf(scalars["weight"], g), eps1)
+
+    def moment_body(o: Any, s: Any, g: Any, p: Any) -> tuple:
+        return (o.rsqrt(o.clamp(s.row * s.col / s.mean, s.floor, math.inf)) * g,)
+
+    def step_prologue(count: torch.Tensor) -> dict[str, Any]:
+        before = count - 1  # the count before the moment's stage advanced it
+        return {"rho": _relative_step(lr(before) if callable(lr) else lr, before)}
+
+    def reduce_step(
+        scalars: dict[str, Any], u: torch.Tensor, p: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], tuple[()]]:
+        alpha = torch.clamp(_rms(p), min=eps[1]) * for_leaf(scalars["rho"], u)
+        denom = torch.clamp(_rms(u, d), min=1.0)
+        return {"step": (-alpha / denom).to(u.dtype)}, ()  # one rounding, as torch's scalar ``alpha``
+
+    def step_body(o: Any, s: Any, u: Any, p: Any) -> tuple:
+        return (u * s.step,)
+
+    def statistic(part: str) -> Statistic:
+        return Statistic(part, lambda p: _stat(p, part))
+
+    moment = Elementwise(
+        "scale_by_adafactor_torch",
+        ScaleByAdafactorTorchState,
+        (),
+        True,
+        moment_prologue,
+        moment_body,
+        statistics=tuple(statistic(part) for part in ("row_var", "col_var", "variance")),
+        reduce_statistics=reduce_moment,
+        sparse="scale_by_adafactor_torch takes dense updates only",
+    )
+    # the relative step and the RMS clip need the whole scaled update: a second stage, on the same state
+    step = Elementwise(
+        "scale_by_adafactor_torch's relative step",
+        ScaleByAdafactorTorchState,
+        (),
+        False,
+        step_prologue,
+        step_body,
+        uses_params=True,
+        reduce_statistics=reduce_step,
+        sparse="scale_by_adafactor_torch takes dense updates only",
+        shares_count=True,
+    )
+    moment_tx, step_tx = elementwise(moment), elementwise(step)
+    program = Program((Stage(moment, ()), Stage(step, ())))
 
     def update(
         updates: PyTree, state: ScaleByAdafactorTorchState, params: PyTree | None = None, **_: Any
     ) -> tuple[PyTree, ScaleByAdafactorTorchState]:
         if params is None:
             raise ValueError("scale_by_adafactor_torch needs params: call update(updates, state, params)")
-        check_state(state, ScaleByAdafactorTorchState, "scale_by_adafactor_torch")
-        grads, param_leaves, spec = check_leaves(updates, params)
-        stats = [spec.flatten_up_to(x) for x in (state.row_var, state.col_var, state.variance)]
-        weight, rho = _step_numbers(lr(state.count) if callable(lr) else lr, state.count, beta2_decay)
-        outputs: list[list[Any]] = [[], [], [], []]
-        for g, p, row, col, var in zip(grads, param_leaves, *stats):
-            if g is None:
-                new = (None, row, col, var)
-            else:
-                eps1 = torch.finfo(p.dtype).eps if eps[0] is None else eps[0]
-                estimate, row, col, var = _second_moment(g, row, col, var, for_leaf(weight, g), eps1)
-                scaled = estimate.clamp(min=eps1 * eps1).rsqrt() * g
-                alpha = torch.clamp(_rms(p), min=eps[1]) * for_leaf(rho, g)
-                denom = torch.clamp(_rms(scaled, d), min=1.0)
-                new = (scaled * host_number(-alpha / denom), row, col, var)
-            for out, value in zip(outputs, new):
-                out.append(value)
-        new_updates, *new_stats = (spec.unflatten(x) for x in outputs)
-        return new_updates, ScaleByAdafactorTorchState(safe_increment(state.count), *new_stats)
+        compiled = run_update(program, updates, state, params)
+        if compiled is not None:
+            return compiled
+        scaled, state = moment_tx.update(updates, state, params)
+        return step_tx.update(scaled, state, params)
 
-    return GradientTransformation(init, update)
+    return with_program(moment.init, update, program)
