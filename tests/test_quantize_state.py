@@ -290,3 +290,25 @@ def test_state_made_for_another_shape_is_refused_before_anything_changes(make, p
             tx.update(grads, state, other)
     after = optree.tree_leaves((other, state))
     assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_float32_stored_statistics_of_a_float64_leaf_update_as_their_dequantized_values():
+    # a quantized statistic decodes to float32 whatever its leaf's dtype: the update mixes the two without error
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "w": torch.randn(513, dtype=torch.float64, generator=g),
+        "m": torch.randn(40, 20, dtype=torch.float64, generator=g),
+    }
+    inner = fadam.scale_by_adafactor_torch(lr=1e-2)
+    tx = fadam.quantize_state(inner, bits=8, min_size=256)
+    state = tx.init(params)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=g) for k, v in params.items()}
+        variance = state.inner_state.variance
+        assert isinstance(variance["w"], QuantizedArray)
+        decoded = {"w": dequantize_blockwise(variance["w"], (513,), 8, 256), "m": variance["m"]}
+        expected, _ = inner.update(grads, state.inner_state._replace(variance=decoded), params)
+        updates, state = tx.update(grads, state, params)
+        for k in params:
+            assert updates[k].dtype == torch.float64
+            assert torch.equal(updates[k], expected[k])

@@ -83,8 +83,10 @@ def _rms(x: torch.Tensor, d: float = 1.0) -> torch.Tensor:
 
 
 def _lerp(start: torch.Tensor, end: torch.Tensor, weight: Any) -> torch.Tensor:
-    """``start.lerp_(end, weight)``; a 0-d float64 weight in ``start``'s dtype, as torch casts a number weight."""
-    return torch.lerp(start, end, weight.to(start.dtype) if isinstance(weight, torch.Tensor) else weight)
+    """``start.lerp_(end, weight)`` in ``start``'s dtype, which a stored format may make other than the gradient's
+    (a 0-d float64 weight cast as torch casts a number weight)."""
+    weight = weight.to(start.dtype) if isinstance(weight, torch.Tensor) else weight
+    return torch.lerp(start, end.to(start.dtype), weight)
 
 
 def _moment_values(
