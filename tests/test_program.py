@@ -251,6 +251,23 @@ def test_a_mixed_tree_equals_the_eager_path_bit_for_bit(donate, kernel_runs):
     assert kernel_runs == [1] * 3  # "big" only
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_leaves_without_elements_between_others_take_the_kernel_and_shift_no_chunk(donate, kernel_runs):
+    # the kernel finds each chunk's leaf by bisecting the leaves' first chunks, which an empty leaf repeats
+    shapes = [(0,), (100,), (0,), (0, 3), (2 * _cpu_kernel._CHUNK + 1,), (0,), (5,), (_cpu_kernel._CHUNK,), (0,)]
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+    grads = _grads(params, seed=1)
+    tx = fadam.lion(1e-2, weight_decay=0.1)
+    eager = (params, tx.init(params))
+    kernel = _clone(eager)
+    for step in range(2):
+        eager = _eager_step(tx, eager[0], grads, eager[1])
+        kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=donate)
+        assert _mismatches(kernel, eager) == [], f"step {step}"
+    assert kernel_runs == [len(shapes)] * 2
+
+
 def test_a_donated_step_writes_the_given_buffers():
     tx = PROGRAMS["adamw"]()
     params = _params()
