@@ -257,14 +257,7 @@ def test_leaves_without_elements_between_others_take_the_kernel_and_shift_no_chu
     shapes = [(0,), (100,), (0,), (0, 3), (2 * _cpu_kernel._CHUNK + 1,), (0,), (5,), (_cpu_kernel._CHUNK,), (0,)]
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
-    grads = _grads(params, seed=1)
-    tx = fadam.lion(1e-2, weight_decay=0.1)
-    eager = (params, tx.init(params))
-    kernel = _clone(eager)
-    for step in range(2):
-        eager = _eager_step(tx, eager[0], grads, eager[1])
-        kernel = fadam.step(tx, kernel[0], grads, kernel[1], donate=donate)
-        assert _mismatches(kernel, eager) == [], f"step {step}"
+    _side_by_side(fadam.lion(1e-2, weight_decay=0.1), params, steps=2, donate=donate)
     assert kernel_runs == [len(shapes)] * 2
 
 
