@@ -15,7 +15,7 @@ import optree
 import torch
 from torch._C import _functorch
 
-from fadam._dispatch import is_dtensor, is_tensor_leaf, real_view
+from fadam._dispatch import PLAIN_TYPES, is_dtensor, is_tensor_leaf, real_view
 from fadam._numerics import dtype_for, safe_sqrt
 
 PyTree = Any
@@ -106,11 +106,12 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     When autograd records it, the squares are summed with ``dot`` and the root is ``safe_sqrt``: the second derivative
     of ``vector_norm`` is NaN at a zero leaf, which would poison meta-gradients through ``clip_by_global_norm``.
 
-    Leaves may live on several devices (model parallel): each leaf's norm is taken on its own device and the squares
-    are summed on the first leaf's device. DTensor leaves (FSDP2) sharded or replicated over a mesh add their local
-    shards' squares on each rank, and those sums are reduced across the mesh's sharded dimensions in one collective
-    per mesh and layout (not one per leaf): every rank must call this with the same tree. The result is then a plain
-    tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
+    Otherwise, for leaves that are no DTensors, it is the norm of the leaves' norms, ``clip_grad_norm_(foreach=True)``'s
+    total norm bit for bit. Leaves may live on several devices (model parallel): each leaf's norm is taken on its own
+    device and the norms are stacked on the first leaf's device. DTensor leaves (FSDP2) sharded or replicated over a
+    mesh add their local shards' squares on each rank, and those sums are reduced across the mesh's sharded
+    dimensions in one collective per mesh and layout (not one per leaf): every rank must call this with the same tree.
+    The result is then a plain tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
     """
     leaves = [x for x in tree_leaves(tree) if x is not None]
     if not leaves:
@@ -121,6 +122,10 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     traced = torch.compiler.is_compiling() or any(
         _functorch.is_gradtrackingtensor(x) or (x.requires_grad and torch.is_grad_enabled()) for x in leaves
     )
+    if not traced:
+        plain = all(type(x) in PLAIN_TYPES for x in leaves)
+        if plain or not any(is_dtensor(x) for x in leaves):
+            return _norm_of_norms(leaves, plain)
     squares = []
     local_squares: dict[tuple, list[torch.Tensor]] = {}  # per mesh and layout: the local shards' squares
     for x in leaves:
@@ -140,6 +145,17 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     squares = [s if s.device == device else s.to(device, non_blocking=device.type != "cpu") for s in squares]
     total = sum(squares[1:], squares[0])
     return safe_sqrt(total) if traced else torch.sqrt(total)
+
+
+def _norm_of_norms(leaves: list[Any], plain: bool) -> torch.Tensor:
+    """The norm of the leaves' norms, on the first leaf's device; ``plain``: every leaf is a plain tensor."""
+    device = leaves[0].device
+    if plain and _functorch.maybe_current_level() is None and all(x.device == device for x in leaves):
+        norms = torch._foreach_norm(leaves)  # the common case, in one call (it takes no tensor torch.func wraps)
+    else:
+        # a copy to the CPU must be blocking (its value is read right away); between accelerators it needs no sync
+        norms = [torch.linalg.vector_norm(x).to(device, non_blocking=device.type != "cpu") for x in leaves]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 def _reducible_layout(x: Any) -> tuple | None:

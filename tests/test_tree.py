@@ -52,6 +52,15 @@ def test_global_norm_by_hand():
     assert float(fadam.tree_global_norm({})) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_global_norm_is_torchs_total_norm_bit_for_bit(dtype: torch.dtype):
+    torch.manual_seed(0)
+    leaves = [torch.randn(n, dtype=dtype) for n in (10, 1000, 84_000, 3, 1 << 20)]
+    expected = torch.nn.utils.get_total_norm(leaves, foreach=True)
+    assert torch.equal(fadam.tree_global_norm(leaves), expected)
+    assert torch.equal(fadam.tree_global_norm([None, *leaves[:2], None, *leaves[2:]]), expected)
+
+
 def test_tree_map_keeps_none_leaves_and_paths_name_them():
     tree = _tree()
     seen = []
