@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -248,15 +248,16 @@ def torch_place(
     device = _CPU if on_cpu else p.device
     if not on_cpu and device.type != "cuda":
         return None
+    # slots first: a quantized one is refused at once
+    return (device, dtype) if _placed((*slots, p, u), device, dtype, grad_enabled) else None
+
+
+def _placed(tensors: Iterable[Any], device: torch.device, dtype: torch.dtype, grad_enabled: bool) -> bool:
+    """Whether ``tensors`` are all walkable (``_walkable``) tensors of ``dtype`` on ``device``, in one pass."""
     wrapped = _wrapped_check()
-    for tensor in (*slots, p, u):  # slots first: a quantized one is refused at once
-        if (
-            not _walkable(tensor, grad_enabled, wrapped)
-            or tensor.dtype is not dtype
-            or (not tensor.is_cpu if on_cpu else tensor.device != device)
-        ):
-            return None
-    return device, dtype
+    if device.type == "cpu":
+        return all(_walkable(t, grad_enabled, wrapped) and t.dtype is dtype and t.is_cpu for t in tensors)
+    return all(_walkable(t, grad_enabled, wrapped) and t.dtype is dtype and t.device == device for t in tensors)
 
 
 def refusal(
@@ -730,12 +731,7 @@ def _run_torch_kernel(
     decls = tuple(part.stages[k].decl for k in chosen)
     if shape_of(decls) is None:
         return members
-    grad_enabled = torch.is_grad_enabled()
-    by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in members:
-        place = torch_place(step.params[i], step.updates[i], slot_rows[i], grad_enabled)
-        if place is not None:
-            by_place.setdefault(place, []).append(i)
+    by_place = _torch_places(members, step, slot_rows)
     taken: set[int] = set()
     for (device, dtype), group in by_place.items():
         found = torch_kernel(decls, [stage_states[k] for k in chosen], [scalars[k] for k in chosen], device.type)
@@ -753,6 +749,26 @@ def _run_torch_kernel(
             step.new_params[i], step.applied[i], step.updates[i] = p, True, None
         taken.update(group)
     return [i for i in members if i not in taken]
+
+
+def _torch_places(members: list[int], step: _Step, slot_rows: list[list[Any]]) -> dict[tuple, list[int]]:
+    """The leaves of ``members`` that torch's fused kernels can take, by their device and dtype (``torch_place``).
+    Leaves all of the first one's place, the common case, are checked in one pass."""
+    grad_enabled = torch.is_grad_enabled()
+    if not members:
+        return {}
+    first = members[0]
+    place = torch_place(step.params[first], step.updates[first], slot_rows[first], grad_enabled)
+    if place is not None:
+        tensors = (t for i in members for t in (*slot_rows[i], step.params[i], step.updates[i]))
+        if _placed(tensors, *place, grad_enabled):
+            return {place: list(members)}
+    by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in members:
+        place = torch_place(step.params[i], step.updates[i], slot_rows[i], grad_enabled)
+        if place is not None:
+            by_place.setdefault(place, []).append(i)
+    return by_place
 
 
 def _store(part: Segment, chosen: list[int], step: _Step, new_slots: list, group: list[int], outputs: list) -> None:
