@@ -106,12 +106,13 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
     When autograd records it, the squares are summed with ``dot`` and the root is ``safe_sqrt``: the second derivative
     of ``vector_norm`` is NaN at a zero leaf, which would poison meta-gradients through ``clip_by_global_norm``.
 
-    Otherwise, for leaves that are no DTensors, it is the norm of the leaves' norms, ``clip_grad_norm_(foreach=True)``'s
-    total norm bit for bit. Leaves may live on several devices (model parallel): each leaf's norm is taken on its own
-    device and the norms are stacked on the first leaf's device. DTensor leaves (FSDP2) sharded or replicated over a
-    mesh add their local shards' squares on each rank, and those sums are reduced across the mesh's sharded
-    dimensions in one collective per mesh and layout (not one per leaf): every rank must call this with the same tree.
-    The result is then a plain tensor, equal on every rank. Under ``torch.func.vmap`` the norm is per batch member.
+    Otherwise, for leaves that are no DTensors, it is the norm of the leaves' norms (for leaves of one dtype and device,
+    ``clip_grad_norm_(foreach=True)``'s total norm bit for bit). Leaves may live on several devices (model parallel):
+    each leaf's norm is taken on its own device and the norms are stacked on the first leaf's device. DTensor leaves
+    (FSDP2) sharded or replicated over a mesh add their local shards' squares on each rank, and those sums are reduced
+    across the mesh's sharded dimensions in one collective per mesh and layout (not one per leaf): every rank must
+    call this with the same tree. The result is then a plain tensor, equal on every rank. Under ``torch.func.vmap``
+    the norm is per batch member.
     """
     leaves = [x for x in tree_leaves(tree) if x is not None]
     if not leaves:
