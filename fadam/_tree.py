@@ -141,9 +141,7 @@ def tree_global_norm(tree: PyTree) -> torch.Tensor:
             squares.append((norm.full_tensor() if is_dtensor(norm) else norm) ** 2)
     for layout, found in local_squares.items():
         squares.append(_reduced(sum(found[1:], found[0]), layout))
-    device = squares[0].device
-    # a copy to the CPU must be blocking (its value is read right away); copies between accelerators need no host sync
-    squares = [s if s.device == device else s.to(device, non_blocking=device.type != "cpu") for s in squares]
+    squares = _moved(squares, squares[0].device)
     total = sum(squares[1:], squares[0])
     return safe_sqrt(total) if traced else torch.sqrt(total)
 
@@ -154,9 +152,14 @@ def _norm_of_norms(leaves: list[Any], plain: bool) -> torch.Tensor:
     if plain and _functorch.maybe_current_level() is None and all(x.device == device for x in leaves):
         norms = torch._foreach_norm(leaves)  # the common case, in one call (it takes no tensor torch.func wraps)
     else:
-        # a copy to the CPU must be blocking (its value is read right away); between accelerators it needs no sync
-        norms = [torch.linalg.vector_norm(x).to(device, non_blocking=device.type != "cpu") for x in leaves]
+        norms = _moved([torch.linalg.vector_norm(x) for x in leaves], device)
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _moved(values: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``values`` on ``device``: a copy to the CPU blocks (its value is read right away); a copy between accelerators
+    needs no host sync."""
+    return [v if v.device == device else v.to(device, non_blocking=device.type != "cpu") for v in values]
 
 
 def _reducible_layout(x: Any) -> tuple | None:
