@@ -164,9 +164,14 @@ def ready(
     # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
     slot_dtypes = (dtype,) if zero_dim or p.is_complex() else KERNEL_DTYPES
+    sizes = None  # the quantized slots' codes and absmax lengths, the same for each of the leaf's slots
     for number, tensor in enumerate((p, u, *slots)):
         if type(tensor) is QuantizedArray:
-            if zero_dim or not _quantized_ready(tensor, p, storage, grad_enabled, device):
+            if zero_dim:
+                return False
+            if sizes is None:
+                sizes = _quantized_sizes(p, storage, device)
+            if sizes is None or not _quantized_placed(tensor, sizes, grad_enabled, wrapped, device):
                 return False
             continue
         if (
@@ -205,22 +210,59 @@ def _quantized_ready(
     """Whether a quantized slot leaf can take the kernel: of a real param, its codes, absmax and map id plain
     contiguous tensors of the sizes ``storage`` gives for the param, on the CPU for the C++ kernel (``device``
     ``None``), else on ``device``, in blocks that the Triton kernel takes."""
+    sizes = _quantized_sizes(p, storage, device)
+    return sizes is not None and _quantized_placed(q, sizes, grad_enabled, _wrapped_check(), device)
+
+
+def _quantized_sizes(p: torch.Tensor, storage: Storage | None, device: torch.device | None) -> tuple[int, int] | None:
+    """The lengths of the codes and absmax of a quantized slot of ``p`` that the kernel takes, or ``None`` where it
+    takes none (``_quantized_ready``)."""
     if storage is None or p.dtype not in KERNEL_DTYPES:
-        return False
+        return None
     if device is not None and not _triton_kernel.takes_blocks(storage.bits, storage.block):
-        return False
-    codes, absmax = expected_sizes(p.numel(), storage.bits, storage.block)
-    wrapped = _wrapped_check()
-    for tensor, dtype, dims, size in ((q[0], _UINT8, 1, codes), (q[1], _FLOAT32, 1, absmax), (q[2], _UINT8, 0, 1)):
-        if (
-            not _walkable(tensor, grad_enabled, wrapped)
-            or tensor.dtype is not dtype
-            or tensor.dim() != dims
-            or tensor.numel() != size
-            or (not tensor.is_cpu if device is None else tensor.device != device)
-        ):
-            return False
-    return True
+        return None
+    return expected_sizes(p.numel(), storage.bits, storage.block)
+
+
+def _quantized_placed(
+    q: QuantizedArray, sizes: tuple[int, int], grad_enabled: bool, wrapped: Any, device: torch.device | None
+) -> bool:
+    """``_quantized_ready`` for codes and absmax of the lengths ``sizes``, one expression per tensor (it runs for
+    every quantized slot of every step). Codes and map id are integers, which autograd never records."""
+    codes, absmax, map_id = q[0], q[1], q[2]
+    if device is None:
+        return (
+            type(codes) in PLAIN_TYPES
+            and codes.layout is _STRIDED
+            and codes.dtype is _UINT8
+            and codes.is_contiguous()
+            and codes.dim() == 1
+            and codes.numel() == sizes[0]
+            and codes.is_cpu
+            and _walkable(absmax, grad_enabled, wrapped)
+            and absmax.dtype is _FLOAT32
+            and absmax.dim() == 1
+            and absmax.numel() == sizes[1]
+            and absmax.is_cpu
+            and type(map_id) in PLAIN_TYPES
+            and map_id.layout is _STRIDED
+            and map_id.dtype is _UINT8
+            and map_id.dim() == 0
+            and map_id.is_cpu
+            and not (wrapped is not None and (wrapped(codes) or wrapped(map_id)))
+        )
+    return all(
+        _walkable(tensor, grad_enabled, wrapped)
+        and tensor.dtype is dtype
+        and tensor.dim() == dims
+        and tensor.numel() == size
+        and tensor.device == device
+        for tensor, dtype, dims, size in (
+            (codes, _UINT8, 1, sizes[0]),
+            (absmax, _FLOAT32, 1, sizes[1]),
+            (map_id, _UINT8, 0, 1),
+        )
+    )
 
 
 # the leaf dtypes whose reals torch's fused kernels take (a complex leaf runs as its real view)
@@ -396,7 +438,9 @@ def _same_place(slot: Any, reference: Any) -> bool:
     if isinstance(slot, torch.Tensor) and isinstance(reference, torch.Tensor):  # the common case, checked first
         return slot.shape == reference.shape and ((slot.is_cpu and reference.is_cpu) or slot.device == reference.device)
     if type(slot) is QuantizedArray and isinstance(reference, torch.Tensor):
-        return slot.shape == reference.shape and slot.codes.device == reference.device
+        codes = slot.codes
+        same_device = (codes.is_cpu and reference.is_cpu) or codes.device == reference.device
+        return same_device and slot.shape == reference.shape
     return reference is None or slot is None  # a leaf with no param (or update) takes any slot; else none is there
 
 
@@ -765,6 +809,8 @@ def _torch_places(members: list[int], step: _Step, slot_rows: list[list[Any]]) -
             return {place: list(members)}
     by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in members:
+        if QuantizedArray in map(type, slot_rows[i]):  # quantized state (most leaves of quantize_state): refused
+            continue
         place = torch_place(step.params[i], step.updates[i], slot_rows[i], grad_enabled)
         if place is not None:
             by_place.setdefault(place, []).append(i)
