@@ -51,6 +51,13 @@ def safe_increment(count: torch.Tensor) -> torch.Tensor:
     return torch.where(count < _INT32_MAX, count + 1, count)
 
 
+def is_first_step(count: torch.Tensor) -> bool | torch.Tensor:
+    """``count == 0``: a Python bool for a plain CPU count (``host_number``: read once, no comparison op), else a 0-d
+    bool tensor (a count that is traced, batched or resident)."""
+    value = host_number(count)
+    return count == 0 if isinstance(value, torch.Tensor) else value == 0
+
+
 def bias_correction(decay: float | torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``1 - decay ** count`` in float64, matching torch.optim, which computes it with Python floats (doubles)."""
     number = bias_correction_number(decay, count)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fadam._numerics import host_number, is_resident, safe_increment
+from fadam._numerics import is_first_step, is_resident, safe_increment
 from fadam._program import Elementwise
 
 Leaves = list[torch.Tensor]
@@ -182,7 +182,7 @@ def _sgd(
     trace = decls[shape.core] if shape.core is not None else None
     # the kernel takes whether this is the first step (which copies the gradient into the buffer) as a flag: where the
     # count cannot be read for free (on a device, in a capturable step) the generated kernel or eager ops run instead
-    first_step = trace is not None and host_number(states[shape.core].count == 0)
+    first_step = trace is not None and is_first_step(states[shape.core].count)
     if isinstance(first_step, torch.Tensor):
         return None
 

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fadam._base import GradientTransformation
-from fadam._numerics import bias_correction, host_number, safe_increment
+from fadam._numerics import bias_correction, host_number, is_first_step, safe_increment
 from fadam._program import Elementwise, Slot, SparseRule, elementwise
 from fadam._tree import PyTree
 from fadam.transforms._validation import check_non_negative, known_value
@@ -60,7 +60,7 @@ def trace(
 
     def prologue(count: torch.Tensor) -> dict[str, float | torch.Tensor]:
         # the first step copies the gradient into the trace (torch.optim.SGD): t = 0 * t + 1 * g
-        first = host_number(count == 0)
+        first = is_first_step(count)
         if isinstance(first, torch.Tensor):  # a count that is traced or batched
             return {
                 "decay_now": torch.where(first, 0.0, torch.as_tensor(decay, dtype=torch.float64)),
