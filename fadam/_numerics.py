@@ -11,6 +11,7 @@ import torch
 from fadam._dispatch import functorch_wrapped
 
 _INT32_MAX = torch.iinfo(torch.int32).max
+_CPU = torch.device("cpu")
 _resident: ContextVar[bool] = ContextVar("fadam_resident", default=False)
 
 
@@ -46,8 +47,8 @@ def zero_count() -> torch.Tensor:
 def safe_increment(count: torch.Tensor) -> torch.Tensor:
     """``count + 1`` that saturates at the int32 maximum instead of wrapping (optax's convention)."""
     value = host_number(count)
-    if not isinstance(value, torch.Tensor):  # a plain CPU count: one op instead of three
-        return count + 1 if value < _INT32_MAX else count
+    if not isinstance(value, torch.Tensor):  # a plain CPU count: a new 0-d tensor, half the cost of ``count + 1``
+        return torch.full((), value + 1, dtype=count.dtype, device=_CPU) if value < _INT32_MAX else count
     return torch.where(count < _INT32_MAX, count + 1, count)
 
 
@@ -62,7 +63,7 @@ def bias_correction(decay: float | torch.Tensor, count: torch.Tensor) -> torch.T
     """``1 - decay ** count`` in float64, matching torch.optim, which computes it with Python floats (doubles)."""
     number = bias_correction_number(decay, count)
     if number is not None:
-        return torch.tensor(number, dtype=torch.float64)  # one op where the tensor formula takes three
+        return torch.full((), number, dtype=torch.float64, device=_CPU)  # one op where the tensor formula takes three
     exponent = count.to(torch.float64)
     if isinstance(decay, torch.Tensor):
         return 1 - decay.to(torch.float64) ** exponent
