@@ -281,7 +281,7 @@ def torch_place(
     p: torch.Tensor, u: torch.Tensor | None, slots: list[Any], grad_enabled: bool
 ) -> tuple[torch.device, torch.dtype] | None:
     """The device and dtype of a leaf that can take torch's fused kernels (``torch_ready``), else ``None``."""
-    if u is None:
+    if u is None or QuantizedArray in map(type, slots):  # quantized state (quantize_state's): torch's kernels take none
         return None
     dtype = p.dtype
     if dtype not in _TORCH_KERNEL_LEAF_DTYPES:
@@ -290,7 +290,6 @@ def torch_place(
     device = _CPU if on_cpu else p.device
     if not on_cpu and device.type != "cuda":
         return None
-    # slots first: a quantized one is refused at once
     return (device, dtype) if _placed((*slots, p, u), device, dtype, grad_enabled) else None
 
 
@@ -809,8 +808,6 @@ def _torch_places(members: list[int], step: _Step, slot_rows: list[list[Any]]) -
             return {place: list(members)}
     by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i in members:
-        if QuantizedArray in map(type, slot_rows[i]):  # quantized state (most leaves of quantize_state): refused
-            continue
         place = torch_place(step.params[i], step.updates[i], slot_rows[i], grad_enabled)
         if place is not None:
             by_place.setdefault(place, []).append(i)
