@@ -32,6 +32,8 @@ import optree
 import torch
 from torch._C import _functorch
 
+from fadam._compiled_checks import compiled_checks
+
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -98,17 +100,10 @@ def first_overlap(params: Any, grads: Any, state: Any) -> tuple[tuple[int, int],
 
 def overlap_in_leaves(trees: list[list[Any]]) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """``first_overlap`` of the leaves of the params, the gradients and the state, flattened with ``None`` leaves."""
-    if _functorch.maybe_current_level() is not None:
-        pointers = [_storage_pointer(leaf) for leaves in trees for leaf in leaves]
-    else:  # one comprehension for the common case, where every pointer is a different storage's
-        strided = torch.strided
-        pointers = [
-            leaf.untyped_storage().data_ptr()
-            if type(leaf) in PLAIN_TYPES and leaf.layout is strided
-            else _storage_pointer(leaf)
-            for leaves in trees
-            for leaf in leaves
-        ]
+    checks = compiled_checks()
+    if checks is not None and checks.distinct_storages(trees):
+        return None
+    pointers = storage_pointers(trees)
     distinct = set(pointers)
     distinct.discard(0)
     if len(distinct) == len(pointers) - pointers.count(0):
@@ -125,6 +120,20 @@ def overlap_in_leaves(trees: list[list[Any]]) -> tuple[tuple[int, int], tuple[in
         if found is not None:
             return found
     return None
+
+
+def storage_pointers(trees: list[list[Any]]) -> list[int]:
+    """The storage pointer of each leaf of ``trees`` in turn (``_storage_pointer``'s: 0 where none is written)."""
+    if _functorch.maybe_current_level() is not None:
+        return [_storage_pointer(leaf) for leaves in trees for leaf in leaves]
+    strided = torch.strided  # one comprehension for the common case, plain tensors
+    return [
+        leaf.untyped_storage().data_ptr()
+        if type(leaf) in PLAIN_TYPES and leaf.layout is strided
+        else _storage_pointer(leaf)
+        for leaves in trees
+        for leaf in leaves
+    ]
 
 
 def _storage_pointer(leaf: Any) -> int:

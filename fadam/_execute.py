@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -34,6 +34,7 @@ from torch._C._functorch import maybe_current_level as _current_level
 
 from fadam import _triton_kernel
 from fadam._base import add_update
+from fadam._compiled_checks import compiled_checks
 from fadam._cpu_kernel import KERNEL_DTYPES, Kernel, Quantized, _aten_fma, load, weight_scalars
 from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, real_view
 from fadam._numerics import device_vector, is_resident
@@ -160,6 +161,9 @@ def ready(
     device = None if on_cpu else p.device
     if not on_cpu and generated_route(device) is None:
         return False
+    checks = compiled_checks()
+    if checks is not None and checks.placed([p, u, *slots], dtype, _CPU if on_cpu else device, grad_enabled):
+        return True  # every tensor walkable and of the param's dtype and device: the common case of the loop below
     wrapped = _wrapped_check()
     # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)
@@ -290,11 +294,20 @@ def torch_place(
     device = _CPU if on_cpu else p.device
     if not on_cpu and device.type != "cuda":
         return None
-    return (device, dtype) if _placed((*slots, p, u), device, dtype, grad_enabled) else None
+    return (device, dtype) if _placed([*slots, p, u], device, dtype, grad_enabled) else None
 
 
-def _placed(tensors: Iterable[Any], device: torch.device, dtype: torch.dtype, grad_enabled: bool) -> bool:
-    """Whether ``tensors`` are all walkable (``_walkable``) tensors of ``dtype`` on ``device``, in one pass."""
+def _placed(tensors: list[Any], device: torch.device, dtype: torch.dtype, grad_enabled: bool) -> bool:
+    """Whether ``tensors`` are all walkable (``_walkable``) tensors of ``dtype`` on ``device``, in one pass (in C++
+    where the extension of ``fadam._compiled_checks`` is loaded)."""
+    checks = compiled_checks()
+    if checks is not None:
+        return checks.placed(tensors, dtype, device, grad_enabled)
+    return placed_in_python(tensors, device, dtype, grad_enabled)
+
+
+def placed_in_python(tensors: list[Any], device: torch.device, dtype: torch.dtype, grad_enabled: bool) -> bool:
+    """``_placed`` without the extension."""
     wrapped = _wrapped_check()
     if device.type == "cpu":
         return all(_walkable(t, grad_enabled, wrapped) and t.dtype is dtype and t.is_cpu for t in tensors)
@@ -803,7 +816,7 @@ def _torch_places(members: list[int], step: _Step, slot_rows: list[list[Any]]) -
     first = members[0]
     place = torch_place(step.params[first], step.updates[first], slot_rows[first], grad_enabled)
     if place is not None:
-        tensors = (t for i in members for t in (*slot_rows[i], step.params[i], step.updates[i]))
+        tensors = [t for i in members for t in (*slot_rows[i], step.params[i], step.updates[i])]
         if _placed(tensors, *place, grad_enabled):
             return {place: list(members)}
     by_place: dict[tuple[torch.device, torch.dtype], list[int]] = {}
