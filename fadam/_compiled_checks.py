@@ -178,11 +178,54 @@ PyObject* first_unlike(PyObject*, PyObject* args) {
   return PyLong_FromSsize_t(i);
 }
 
+// same_places(slot_lists, references): True where each list holds, item by item, plain tensors of the shape and
+// device of the plain tensor at that place of ``references`` (fadam._execute._same_place's common case); None
+// otherwise, where the caller compares in Python
+PyObject* same_places(PyObject*, PyObject* args) {
+  PyObject *slot_lists, *references;
+  if (!PyArg_ParseTuple(args, "OO", &slot_lists, &references)) return nullptr;
+  PyObject* lists = items(slot_lists);
+  if (!lists) return nullptr;
+  PyObject* refs = items(references);
+  if (!refs) {
+    Py_DECREF(lists);
+    return nullptr;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(refs);
+  bool same = true;
+  for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(lists) && same; ++k) {
+    PyObject* found = items(PySequence_Fast_GET_ITEM(lists, k));
+    if (!found) {
+      Py_DECREF(lists);
+      Py_DECREF(refs);
+      return nullptr;
+    }
+    same = PySequence_Fast_GET_SIZE(found) == n;
+    for (Py_ssize_t i = 0; i < n && same; ++i) {
+      PyObject* slot = PySequence_Fast_GET_ITEM(found, i);
+      PyObject* reference = PySequence_Fast_GET_ITEM(refs, i);
+      if (!plain(slot) || !plain(reference)) {
+        same = false;
+        break;
+      }
+      const at::Tensor& s = THPVariable_Unpack(slot);
+      const at::Tensor& r = THPVariable_Unpack(reference);
+      same = s.sizes() == r.sizes() && ((s.is_cpu() && r.is_cpu()) || s.device() == r.device());
+    }
+    Py_DECREF(found);
+  }
+  Py_DECREF(lists);
+  Py_DECREF(refs);
+  if (!same) Py_RETURN_NONE;
+  Py_RETURN_TRUE;
+}
+
 PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, nullptr},
     {"placed", placed, METH_VARARGS, nullptr},
     {"distinct_storages", distinct_storages, METH_VARARGS, nullptr},
     {"first_unlike", first_unlike, METH_VARARGS, nullptr},
+    {"same_places", same_places, METH_VARARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 

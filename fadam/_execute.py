@@ -416,7 +416,7 @@ def _stage_leaves(
         slots = [_slot_leaves(tree, like) for tree in trees]
         if any(slot is None for slot in slots):
             return None
-        if any(not _same_place(s, r) for slot in slots for s, r in zip(slot, references)):
+        if not _all_in_place(slots, references):
             return None
         statistics = [_slot_leaves(getattr(stage_state, st.name), like) for st in stage.decl.statistics]
         if any(leaves is None or any(_sharded_codes(t) for t in leaves) for leaves in statistics):
@@ -443,6 +443,15 @@ def _slot_leaves(tree: PyTree, like: Any) -> list[Any] | None:
 def _is_slot_leaf(node: Any) -> bool:
     """A quantized slot leaf, or a tensor (``is_tensor_leaf``)."""
     return type(node) is QuantizedArray or isinstance(node, torch.Tensor)
+
+
+def _all_in_place(slots: list[list[Any]], references: list[Any]) -> bool:
+    """Whether every slot leaf has its param's (or update's) shape and device (``_same_place``), in C++ where the
+    extension of ``fadam._compiled_checks`` is loaded and the leaves are plain tensors."""
+    checks = compiled_checks()
+    if checks is not None and checks.same_places(slots, references):
+        return True
+    return all(_same_place(s, r) for slot in slots for s, r in zip(slot, references))
 
 
 def _same_place(slot: Any, reference: Any) -> bool:

@@ -14,7 +14,7 @@ import torch
 from fadam import _compiled_checks
 from fadam._cpu_kernel import _compiler
 from fadam._dispatch import PLAIN_TYPES, storage_pointers
-from fadam._execute import placed_in_python
+from fadam._execute import _same_place, placed_in_python
 from fadam._tree import _dense_alike
 
 _HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").exists()
@@ -171,3 +171,17 @@ def test_a_failed_build_is_not_retried(monkeypatch, tmp_path):
     assert loader.get() is None
     assert loader.builder.wait(timeout=300) != 0
     assert loader.get() is None and loader.given_up
+
+
+@needs_build
+def test_same_places_answers_as_the_python_comparison(checks):
+    leaves = _leaves()
+    for (a, slot), (b, reference) in itertools.product(leaves.items(), repeat=2):
+        plain = type(slot) in PLAIN_TYPES and type(reference) in PLAIN_TYPES
+        expected = True if plain and _same_place(slot, reference) else None
+        assert checks.same_places([[slot]], [reference]) is expected, (a, b)
+    ones = [torch.ones(2), torch.ones(3)]
+    assert checks.same_places([ones, [torch.zeros(2), torch.zeros(3)]], ones) is True
+    assert checks.same_places([ones, [torch.zeros(2), torch.zeros(4)]], ones) is None
+    assert checks.same_places([ones[:1]], ones) is None  # lists of another length: compared in Python
+    assert checks.same_places([], ones) is True
