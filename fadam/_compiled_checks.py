@@ -38,194 +38,249 @@ _SOURCE = r"""
 #include <Python.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <unordered_set>
+#include <vector>
 
 namespace {
 
 PyTypeObject* tensor_type = nullptr;     // torch.Tensor
 PyTypeObject* parameter_type = nullptr;  // torch.nn.Parameter
+PyTypeObject* quantized_type = nullptr;  // fadam.quantization.QuantizedArray: (codes, absmax, map_id, like)
 bool optimizable[256] = {};              // fadam._tree._OPTIMIZABLE, by at::ScalarType
 
 bool plain(PyObject* o) { return Py_TYPE(o) == tensor_type || Py_TYPE(o) == parameter_type; }
 
-// the items of a list or tuple, or null with a TypeError
-PyObject* items(PyObject* sequence) { return PySequence_Fast(sequence, "expected a list or a tuple"); }
+// The items of a list or a tuple; raises TypeError for anything else
+struct Items {
+  THPObjectPtr held;
+  explicit Items(PyObject* sequence) : held(PySequence_Fast(sequence, "expected a list or a tuple")) {
+    if (!held) throw python_error();
+  }
+  Py_ssize_t size() const { return PySequence_Fast_GET_SIZE(held.get()); }
+  PyObject* operator[](Py_ssize_t i) const { return PySequence_Fast_GET_ITEM(held.get(), i); }
+};
 
-// setup(torch.Tensor, torch.nn.Parameter, optimizable dtypes)
+const at::Tensor& unpacked(PyObject* o) { return THPVariable_Unpack(o); }
+
+bool is_optimizable(const at::Tensor& t) { return optimizable[static_cast<int>(t.scalar_type()) & 255]; }
+
+// fadam._execute._walkable of a plain tensor outside torch.func transforms, with its dtype and device
+bool walkable(const at::Tensor& t, at::ScalarType dtype, const at::Device& where, bool grad_enabled) {
+  return t.layout() == at::kStrided && !(grad_enabled && t.requires_grad()) && t.is_contiguous() &&
+         t.scalar_type() == dtype && (where.is_cpu() ? t.is_cpu() : t.device() == where);
+}
+
+bool same_device(const at::Tensor& a, const at::Tensor& b) {
+  return (a.is_cpu() && b.is_cpu()) || a.device() == b.device();
+}
+
+// fadam._execute._quantized_placed: codes (uint8, n long), absmax (float32, blocks long) and map id (0-d uint8)
+bool quantized_placed(PyObject* q, Py_ssize_t codes_length, Py_ssize_t absmax_length, const at::Device& where,
+                      bool grad_enabled) {
+  if (PyTuple_GET_SIZE(q) != 4) return false;
+  for (Py_ssize_t i = 0; i < 3; ++i)
+    if (!plain(PyTuple_GET_ITEM(q, i))) return false;
+  const at::Tensor& codes = unpacked(PyTuple_GET_ITEM(q, 0));
+  const at::Tensor& absmax = unpacked(PyTuple_GET_ITEM(q, 1));
+  const at::Tensor& map_id = unpacked(PyTuple_GET_ITEM(q, 2));
+  // integer tensors never require grad: the CPU check reads neither codes' nor map id's requires_grad
+  const bool integers_grad = !where.is_cpu() && grad_enabled;
+  return walkable(codes, at::kByte, where, integers_grad) && codes.dim() == 1 && codes.numel() == codes_length &&
+         walkable(absmax, at::kFloat, where, grad_enabled) && absmax.dim() == 1 && absmax.numel() == absmax_length &&
+         map_id.layout() == at::kStrided && !(integers_grad && map_id.requires_grad()) &&
+         (where.is_cpu() || map_id.is_contiguous()) && map_id.scalar_type() == at::kByte && map_id.dim() == 0 &&
+         (where.is_cpu() ? map_id.is_cpu() : map_id.device() == where);
+}
+
+// setup(torch.Tensor, torch.nn.Parameter, QuantizedArray, optimizable dtypes)
 PyObject* setup(PyObject*, PyObject* args) {
-  PyObject *tensor, *parameter, *dtypes;
-  if (!PyArg_ParseTuple(args, "O!O!O", &PyType_Type, &tensor, &PyType_Type, &parameter, &dtypes)) return nullptr;
-  PyObject* found = items(dtypes);
-  if (!found) return nullptr;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(found); ++i) {
-    PyObject* dtype = PySequence_Fast_GET_ITEM(found, i);
-    if (!THPDtype_Check(dtype)) {
-      Py_DECREF(found);
+  HANDLE_TH_ERRORS
+  PyObject *tensor, *parameter, *quantized, *dtypes;
+  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyType_Type, &tensor, &PyType_Type, &parameter, &PyType_Type, &quantized,
+                        &dtypes))
+    return nullptr;
+  const Items found(dtypes);
+  for (Py_ssize_t i = 0; i < found.size(); ++i) {
+    if (!THPDtype_Check(found[i])) {
       PyErr_SetString(PyExc_TypeError, "expected torch.dtype objects");
       return nullptr;
     }
-    optimizable[static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type) & 255] = true;
+    optimizable[static_cast<int>(reinterpret_cast<THPDtype*>(found[i])->scalar_type) & 255] = true;
   }
-  Py_DECREF(found);
-  Py_INCREF(tensor);
-  Py_INCREF(parameter);
+  for (PyObject* type : {tensor, parameter, quantized}) Py_INCREF(type);
   tensor_type = reinterpret_cast<PyTypeObject*>(tensor);
   parameter_type = reinterpret_cast<PyTypeObject*>(parameter);
+  quantized_type = reinterpret_cast<PyTypeObject*>(quantized);
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 // placed(tensors, dtype, device, grad_enabled): fadam._execute._placed outside torch.func transforms: whether every
 // item is a plain dense contiguous tensor of ``dtype`` on ``device`` that autograd does not record
 PyObject* placed(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
   PyObject *tensors, *dtype, *device;
   int grad_enabled;
   if (!PyArg_ParseTuple(args, "OO!O!p", &tensors, &THPDtypeType, &dtype, &THPDeviceType, &device, &grad_enabled))
     return nullptr;
   const at::ScalarType scalar_type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
   const at::Device& where = reinterpret_cast<THPDevice*>(device)->device;
-  PyObject* found = items(tensors);
-  if (!found) return nullptr;
-  bool answer = true;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(found) && answer; ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(found, i);
-    if (!plain(o)) {
-      answer = false;
-      break;
-    }
-    const at::Tensor& t = THPVariable_Unpack(o);
-    answer = t.layout() == at::kStrided && !(grad_enabled && t.requires_grad()) && t.is_contiguous() &&
-             t.scalar_type() == scalar_type && (where.is_cpu() ? t.is_cpu() : t.device() == where);
+  const Items found(tensors);
+  for (Py_ssize_t i = 0; i < found.size(); ++i)
+    if (!plain(found[i]) || !walkable(unpacked(found[i]), scalar_type, where, grad_enabled)) Py_RETURN_FALSE;
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// leaf_ready(tensors, dtype, device, grad_enabled, codes_length, absmax_length): True where fadam._execute.ready
+// accepts the leaf for the common reason: the param, its update and every slot walkable tensors of the param's dtype
+// on ``device``, or quantized slots placed as ``quantized_placed`` says (lengths -1: the leaf takes none); False
+// where the caller must look in Python
+PyObject* leaf_ready(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *tensors, *dtype, *device;
+  int grad_enabled;
+  Py_ssize_t codes_length, absmax_length;
+  if (!PyArg_ParseTuple(args, "OO!O!pnn", &tensors, &THPDtypeType, &dtype, &THPDeviceType, &device, &grad_enabled,
+                        &codes_length, &absmax_length))
+    return nullptr;
+  const at::ScalarType scalar_type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
+  const at::Device& where = reinterpret_cast<THPDevice*>(device)->device;
+  const Items found(tensors);
+  for (Py_ssize_t i = 0; i < found.size(); ++i) {
+    PyObject* o = found[i];
+    const bool ready = i >= 2 && Py_TYPE(o) == quantized_type
+                           ? codes_length >= 0 && quantized_placed(o, codes_length, absmax_length, where, grad_enabled)
+                           : plain(o) && walkable(unpacked(o), scalar_type, where, grad_enabled);
+    if (!ready) Py_RETURN_FALSE;
   }
-  Py_DECREF(found);
-  return PyBool_FromLong(answer);
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
 }
 
 // distinct_storages(trees): True where every leaf of ``trees`` (lists of leaves) is None or a plain strided tensor
 // and no two of those share a storage, so that fadam._dispatch.overlap_in_leaves finds no overlap; None otherwise,
 // where the caller looks in Python
 PyObject* distinct_storages(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
   PyObject* trees;
   if (!PyArg_ParseTuple(args, "O", &trees)) return nullptr;
-  PyObject* lists = items(trees);
-  if (!lists) return nullptr;
+  const Items lists(trees);
   std::unordered_set<const void*> seen;
-  bool distinct = true;
-  for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(lists) && distinct; ++k) {
-    PyObject* found = items(PySequence_Fast_GET_ITEM(lists, k));
-    if (!found) {
-      Py_DECREF(lists);
-      return nullptr;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(found) && distinct; ++i) {
-      PyObject* o = PySequence_Fast_GET_ITEM(found, i);
+  for (Py_ssize_t k = 0; k < lists.size(); ++k) {
+    const Items found(lists[k]);
+    for (Py_ssize_t i = 0; i < found.size(); ++i) {
+      PyObject* o = found[i];
       if (o == Py_None) continue;
-      if (!plain(o)) {
-        distinct = false;
-        break;
-      }
-      const at::Tensor& t = THPVariable_Unpack(o);
-      if (t.layout() != at::kStrided || !t.has_storage()) {
-        distinct = false;
-        break;
-      }
+      if (!plain(o)) Py_RETURN_NONE;
+      const at::Tensor& t = unpacked(o);
+      if (t.layout() != at::kStrided || !t.has_storage()) Py_RETURN_NONE;
       const void* pointer = t.storage().data_ptr().get();
-      if (pointer != nullptr) distinct = seen.insert(pointer).second;
+      if (pointer != nullptr && !seen.insert(pointer).second) Py_RETURN_NONE;
     }
-    Py_DECREF(found);
   }
-  Py_DECREF(lists);
-  if (!distinct) Py_RETURN_NONE;
   Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
 }
 
 // first_unlike(leaves, likes, start): the first index from ``start`` on where a leaf is not None and the pair is not
 // two plain tensors that fadam._tree._dense_alike accepts; len(leaves) where there is none
 PyObject* first_unlike(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
   PyObject *leaves, *likes;
   Py_ssize_t start;
   if (!PyArg_ParseTuple(args, "OOn", &leaves, &likes, &start)) return nullptr;
-  PyObject* found = items(leaves);
-  if (!found) return nullptr;
-  PyObject* refs = items(likes);
-  if (!refs) {
-    Py_DECREF(found);
-    return nullptr;
-  }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(found);
-  if (PySequence_Fast_GET_SIZE(refs) < n) {
-    Py_DECREF(found);
-    Py_DECREF(refs);
+  const Items found(leaves);
+  const Items refs(likes);
+  if (refs.size() < found.size()) {
     PyErr_SetString(PyExc_ValueError, "fewer likes than leaves");
     return nullptr;
   }
   Py_ssize_t i = start < 0 ? 0 : start;
-  for (; i < n; ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(found, i);
+  for (; i < found.size(); ++i) {
+    PyObject* o = found[i];
     if (o == Py_None) continue;
-    PyObject* r = PySequence_Fast_GET_ITEM(refs, i);
-    if (!plain(o) || !plain(r)) break;
-    const at::Tensor& leaf = THPVariable_Unpack(o);
-    const at::Tensor& ref = THPVariable_Unpack(r);
-    if (!(leaf.layout() == at::kStrided && optimizable[static_cast<int>(leaf.scalar_type()) & 255] &&
-          optimizable[static_cast<int>(ref.scalar_type()) & 255] && leaf.sizes() == ref.sizes() &&
-          ((leaf.is_cpu() && ref.is_cpu()) || leaf.device() == ref.device())))
+    if (!plain(o) || !plain(refs[i])) break;
+    const at::Tensor& leaf = unpacked(o);
+    const at::Tensor& ref = unpacked(refs[i]);
+    if (!(leaf.layout() == at::kStrided && is_optimizable(leaf) && is_optimizable(ref) &&
+          leaf.sizes() == ref.sizes() && same_device(leaf, ref)))
       break;
   }
-  Py_DECREF(found);
-  Py_DECREF(refs);
   return PyLong_FromSsize_t(i);
+  END_HANDLE_TH_ERRORS
 }
 
-// same_places(slot_lists, references): True where each list holds, item by item, plain tensors of the shape and
-// device of the plain tensor at that place of ``references`` (fadam._execute._same_place's common case); None
+// same_places(slot_lists, references): True where each list holds, item by item, plain tensors (or quantized slots)
+// of the shape and device of the plain tensor at that place of ``references`` (fadam._execute._same_place); None
 // otherwise, where the caller compares in Python
 PyObject* same_places(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
   PyObject *slot_lists, *references;
   if (!PyArg_ParseTuple(args, "OO", &slot_lists, &references)) return nullptr;
-  PyObject* lists = items(slot_lists);
-  if (!lists) return nullptr;
-  PyObject* refs = items(references);
-  if (!refs) {
-    Py_DECREF(lists);
-    return nullptr;
-  }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(refs);
-  bool same = true;
-  for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(lists) && same; ++k) {
-    PyObject* found = items(PySequence_Fast_GET_ITEM(lists, k));
-    if (!found) {
-      Py_DECREF(lists);
-      Py_DECREF(refs);
-      return nullptr;
-    }
-    same = PySequence_Fast_GET_SIZE(found) == n;
-    for (Py_ssize_t i = 0; i < n && same; ++i) {
-      PyObject* slot = PySequence_Fast_GET_ITEM(found, i);
-      PyObject* reference = PySequence_Fast_GET_ITEM(refs, i);
-      if (!plain(slot) || !plain(reference)) {
-        same = false;
-        break;
+  const Items lists(slot_lists);
+  const Items refs(references);
+  for (Py_ssize_t k = 0; k < lists.size(); ++k) {
+    const Items found(lists[k]);
+    if (found.size() != refs.size()) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < found.size(); ++i) {
+      PyObject* slot = found[i];
+      if (!plain(refs[i])) Py_RETURN_NONE;
+      const at::Tensor& reference = unpacked(refs[i]);
+      if (Py_TYPE(slot) == quantized_type && PyTuple_GET_SIZE(slot) == 4) {  // its codes' device, its like's shape
+        PyObject* codes = PyTuple_GET_ITEM(slot, 0);
+        PyObject* like = PyTuple_GET_ITEM(slot, 3);
+        if (!plain(codes) || !plain(like)) Py_RETURN_NONE;
+        const c10::IntArrayRef shape = unpacked(like).sizes();
+        if (shape.empty() || shape.slice(0, shape.size() - 1) != reference.sizes() ||
+            !same_device(unpacked(codes), reference))
+          Py_RETURN_NONE;
+        continue;
       }
-      const at::Tensor& s = THPVariable_Unpack(slot);
-      const at::Tensor& r = THPVariable_Unpack(reference);
-      same = s.sizes() == r.sizes() && ((s.is_cpu() && r.is_cpu()) || s.device() == r.device());
+      if (!plain(slot)) Py_RETURN_NONE;
+      const at::Tensor& t = unpacked(slot);
+      if (t.sizes() != reference.sizes() || !same_device(t, reference)) Py_RETURN_NONE;
     }
-    Py_DECREF(found);
   }
-  Py_DECREF(lists);
-  Py_DECREF(refs);
-  if (!same) Py_RETURN_NONE;
   Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// data_pointers(rows): the data pointers of the plain tensors of ``rows`` (lists), in turn, as native 64-bit
+// integers in a bytes object (the table of leaf pointers a generated kernel takes)
+PyObject* data_pointers(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* rows;
+  if (!PyArg_ParseTuple(args, "O", &rows)) return nullptr;
+  const Items lists(rows);
+  std::vector<uint64_t> pointers;
+  for (Py_ssize_t k = 0; k < lists.size(); ++k) {
+    const Items found(lists[k]);
+    for (Py_ssize_t i = 0; i < found.size(); ++i) {
+      if (!plain(found[i])) {
+        PyErr_SetString(PyExc_TypeError, "a kernel's leaves are plain tensors");
+        return nullptr;
+      }
+      pointers.push_back(reinterpret_cast<uint64_t>(unpacked(found[i]).data_ptr()));
+    }
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(pointers.data()),
+                                   static_cast<Py_ssize_t>(pointers.size() * sizeof(uint64_t)));
+  END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, nullptr},
     {"placed", placed, METH_VARARGS, nullptr},
+    {"leaf_ready", leaf_ready, METH_VARARGS, nullptr},
     {"distinct_storages", distinct_storages, METH_VARARGS, nullptr},
     {"first_unlike", first_unlike, METH_VARARGS, nullptr},
     {"same_places", same_places, METH_VARARGS, nullptr},
+    {"data_pointers", data_pointers, METH_VARARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -335,7 +390,9 @@ def _load(path: Path) -> ModuleType | None:
         spec.loader.exec_module(module)
     except (ImportError, OSError):
         return None
-    module.setup(torch.Tensor, torch.nn.Parameter, tuple(_optimizable()))
+    from fadam.quantization._codec import QuantizedArray
+
+    module.setup(torch.Tensor, torch.nn.Parameter, QuantizedArray, tuple(_optimizable()))
     return module
 
 

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from fadam._compiled_checks import compiled_checks
 from fadam._program import Node, Traced
 
 _STORED = {torch.float32: "float", torch.float64: "double", torch.bfloat16: "uint16_t"}  # C types in memory
@@ -1065,7 +1066,12 @@ class Kernel:
         ``leaf_scalars`` holding each leaf's own scalars in turn. A streamed kernel puts the sums of the slots it
         wrote in ``sums`` (int64, contiguous, leaves x slots x 16: ``source``'s ``leaf_sums``)."""
         sizes = array.array("q", [row[0].numel() for row in leaves])
-        pointers = array.array("Q", [t.data_ptr() for row in leaves for t in row])
+        checks = compiled_checks()
+        if checks is not None:
+            pointers = array.array("Q")
+            pointers.frombytes(checks.data_pointers(leaves))
+        else:
+            pointers = array.array("Q", [t.data_ptr() for row in leaves for t in row])
         values = array.array("d", scalars or [0.0])
         leaf_values = array.array("d", leaf_scalars or [0.0])
         total = sum(sizes)

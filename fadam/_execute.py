@@ -162,8 +162,11 @@ def ready(
     if not on_cpu and generated_route(device) is None:
         return False
     checks = compiled_checks()
-    if checks is not None and checks.placed([p, u, *slots], dtype, _CPU if on_cpu else device, grad_enabled):
-        return True  # every tensor walkable and of the param's dtype and device: the common case of the loop below
+    if checks is not None:  # the common cases of the loop below: every tensor of the param's dtype, or quantized
+        sizes = _quantized_sizes(p, storage, device) if storage is not None and not zero_dim else None
+        codes, scales = (-1, -1) if sizes is None else sizes
+        if checks.leaf_ready([p, u, *slots], dtype, _CPU if on_cpu else device, grad_enabled, codes, scales):
+            return True
     wrapped = _wrapped_check()
     # a real param's slots may hold another floating dtype (float32 moments of bfloat16 params); a complex one's
     # are complex like it, and a 0-d one's float64 (its float64 0-d scalars would promote any other dtype)

@@ -3,6 +3,7 @@ kind of leaf a step meets; and the extension is built once, in the background, o
 
 from __future__ import annotations
 
+import array
 import itertools
 import sys
 import sysconfig
@@ -15,7 +16,9 @@ from fadam import _compiled_checks
 from fadam._cpu_kernel import _compiler
 from fadam._dispatch import PLAIN_TYPES, storage_pointers
 from fadam._execute import _same_place, placed_in_python
+from fadam._program import Storage
 from fadam._tree import _dense_alike
+from fadam.quantization import quantize_blockwise
 
 _HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").exists()
 needs_build = pytest.mark.skipif(
@@ -185,3 +188,70 @@ def test_same_places_answers_as_the_python_comparison(checks):
     assert checks.same_places([ones, [torch.zeros(2), torch.zeros(4)]], ones) is None
     assert checks.same_places([ones[:1]], ones) is None  # lists of another length: compared in Python
     assert checks.same_places([], ones) is True
+
+
+def _quantized_kinds() -> dict[str, object]:
+    """Quantized slots of a 1000-element param, as a step finds them: whole, or with one part of another kind."""
+    good = quantize_blockwise(torch.randn(1000), bits=8, block_size=256)
+    codes, absmax, map_id, _ = good
+    return {
+        "quantized": good,
+        "strided codes": good._replace(codes=torch.stack([codes, codes], -1)[:, 0]),
+        "short codes": good._replace(codes=codes[:-1]),
+        "float codes": good._replace(codes=codes.float()),
+        "2-d absmax": good._replace(absmax=absmax.reshape(1, -1)),
+        "float64 absmax": good._replace(absmax=absmax.double()),
+        "absmax that requires grad": good._replace(absmax=absmax.clone().requires_grad_()),
+        "int64 map id": good._replace(map_id=map_id.long()),
+        "1-d map id": good._replace(map_id=map_id.reshape(1)),
+        "meta codes": good._replace(codes=codes.to("meta")),
+        "shape of another param": good._replace(like=torch.empty(999, 0, dtype=torch.uint8)),
+        "subclass absmax": good._replace(absmax=absmax.as_subclass(_Subclass)),
+    }
+
+
+@needs_build
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_ready_answers_the_same_with_the_extension(checks, monkeypatch, grad_enabled):
+    """``ready`` asks the extension's ``leaf_ready`` first and decides in Python where it does not accept a leaf: its
+    answer is the same with the extension and without, and the common leaves are accepted in C++."""
+    from fadam import _execute
+
+    storage = Storage(bits=8, block=256)
+    p, u = torch.randn(1000), torch.randn(1000)
+    cases = {f"param {name}": [leaf, u] for name, leaf in _leaves().items()}
+    cases |= {f"update {name}": [p, leaf] for name, leaf in _leaves().items()}
+    cases |= {f"slot {name}": [p, u, leaf] for name, leaf in {**_leaves(), **_quantized_kinds()}.items()}
+    cases |= {"two slots": [p, u, torch.zeros(1000), quantize_blockwise(u)], "no slots": [p, u]}
+    for name, (param, update, *slots) in cases.items():
+        if not isinstance(param, torch.Tensor):
+            continue
+        answers = []
+        for found in (checks, None):
+            monkeypatch.setattr(_execute, "compiled_checks", lambda found=found: found)
+            for quantized in (storage, None):
+                answers.append(_execute.ready(param, update, slots, grad_enabled, quantized))
+        assert answers[:2] == answers[2:], name
+    cpu = torch.device("cpu")
+    for name in ("no slots", "two slots", "slot quantized", "slot float32"):
+        assert checks.leaf_ready(cases[name], torch.float32, cpu, grad_enabled, 1000, 4), name
+    assert not checks.leaf_ready(cases["slot quantized"], torch.float32, cpu, grad_enabled, -1, -1)
+
+
+@needs_build
+def test_same_places_compares_a_quantized_slot_by_its_shape_and_its_codes_device(checks):
+    for name, slot in _quantized_kinds().items():
+        for reference in (torch.ones(1000), torch.ones(10, 100), torch.ones(999), torch.ones(1000, device="meta")):
+            expected = True if _same_place(slot, reference) else None
+            assert checks.same_places([[slot]], [reference]) is expected, (name, reference.shape)
+
+
+@needs_build
+def test_data_pointers_are_each_tensors_data_pointer_in_turn(checks):
+    base = torch.arange(10.0)
+    rows = [[base, base[3:], torch.ones(0)], [torch.nn.Parameter(torch.ones(2)), base[::2], torch.ones(3).t()]]
+    found = array.array("Q")
+    found.frombytes(checks.data_pointers(rows))
+    assert list(found) == [t.data_ptr() for row in rows for t in row]
+    with pytest.raises(TypeError, match="plain tensors"):
+        checks.data_pointers([[torch.ones(2).as_subclass(_Subclass)]])
