@@ -3,11 +3,11 @@
     python benchmarks/bench_cold_start.py [--leaves 200]
 
 Each row runs two child processes with ``FADAM_CACHE_DIR`` set to a new empty folder: the first builds the chain's
-generated kernels (the system C++ compiler) and starts the build of the leaf checks (``fadam._compiled_checks``,
-in a process of its own, while the step runs with the checks in Python), the second, once that build is in the folder,
-loads them all from it. Each child times one donated ``fadam.step`` right after ``init``, over ``--leaves`` float32
-tensors of 16.8M elements in all (bfloat16 for the bfloat16 row). Python and torch start-up are outside the timed
-region.
+generated kernels (the system C++ compiler) and, as it exits, starts the build of the compiled leaf checks
+(``fadam._compiled_checks``, in a process of its own; its step checks its leaves in Python); the second, once that
+build is in the folder, loads them all from it. Each child times one donated ``fadam.step`` right after ``init``, over
+``--leaves`` float32 tensors of 16.8M elements in all (bfloat16 for the bfloat16 row). Python and torch start-up are
+outside the timed region.
 """
 
 from __future__ import annotations

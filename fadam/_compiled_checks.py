@@ -10,12 +10,15 @@ caller checks in Python.
 
 The extension is compiled by the system C++ compiler against the installed torch's headers and Python's, once per
 machine, torch and Python, into the kernel cache (``fadam._cpu_kernel.cache_dir``). A process that finds no build
-there starts one, in a process of its own (about 10-15 s on a 2-core machine), and checks in Python until it is
-ready, so the first steps never wait for it; without a compiler or Python's headers the checks stay in Python.
+there checks in Python and starts one as it exits, in a process of its own at idle priority (10-15 s on a 2-core
+machine), so that no step waits for the compiler or shares the CPU with it; the processes after it load the library.
+Without a compiler or Python's headers the checks stay in Python (a failed build leaves the compiler's message beside
+where the library would be, ``<name>.failed``, and is not tried again).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.machinery
@@ -26,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -334,10 +338,10 @@ def _library_path() -> Path | None:
     return cache_dir() / "checks" / f"{key}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
 
 
-# The build runs in a process of its own, which outlives the one that starts it (a short script's exit would end a
-# thread's compiler before it renames the library into place). It compiles into a scratch folder and renames the
-# library into place (atomically: a process loading it sees the whole library or none), one build at a time on a
-# machine: every worker of a test run starts one, the later ones find the library built when the lock is theirs.
+# The build runs in a process of its own, which outlives the one that starts it. It compiles into a scratch folder and
+# renames the library into place (atomically: a process loading it sees the whole library or none), one build at a
+# time on a machine: every worker of a test run starts one, the later ones find the library built when the lock is
+# theirs.
 _BUILDER = """
 import os, shutil, subprocess, sys
 scratch, target, command = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -354,9 +358,13 @@ except ImportError:
 with open(os.path.join(os.path.dirname(target), "." + os.path.basename(target) + ".lock"), "w") as lock:
     if fcntl is not None:
         fcntl.flock(lock, fcntl.LOCK_EX)
-    built = os.path.exists(target) or subprocess.run(command, capture_output=True).returncode == 0
+    result = None if os.path.exists(target) else subprocess.run(command, capture_output=True)
+    built = result is None or result.returncode == 0
     if built and not os.path.exists(target):
         os.replace(os.path.join(scratch, "checks.so"), target)
+    if not built:  # what the compiler said, where no later process tries again
+        with open(target + ".failed", "wb") as failed:
+            failed.write(result.stderr[-4000:])
 shutil.rmtree(scratch, ignore_errors=True)
 sys.exit(0 if built else 1)
 """
@@ -409,35 +417,45 @@ def _optimizable() -> frozenset[torch.dtype]:
 
 
 class _Loader:
-    """The extension once it is loaded; until then, at most one build started by this process."""
+    """The extension once it is loaded. A process that finds no build starts one when it exits (``atexit``), so that
+    none of its steps shares the CPU with the compiler (even at idle priority a compile beside it made a first run of
+    the README's demo on 2 cores take 17 s instead of 3): the processes after it load the library."""
 
     def __init__(self) -> None:
         self.module: ModuleType | None = None
-        self.given_up = False  # no compiler, or the build failed: the checks stay in Python
-        self.builder: subprocess.Popen | None = None
+        self.given_up = False  # no compiler, or a build failed: the checks stay in Python
+        self.path: Path | None = None  # where the library is, or will be
+        self.next_look = 0.0  # when to look again for a library another process may be building
         self.lock = threading.Lock()
 
     def get(self) -> ModuleType | None:
-        if self.module is not None or self.given_up:
+        if self.module is not None or self.given_up or time.monotonic() < self.next_look:
             return self.module
         with self.lock:
-            if self.module is not None or self.given_up or (self.builder is not None and self.builder.poll() is None):
+            if self.module is not None or self.given_up:
                 return self.module
-            path = _library_path()
-            if path is None:
+            if self.path is None:
+                self.path = _library_path()
+                if self.path is not None and not self.path.exists():
+                    atexit.register(self.build_at_exit)
+            if self.path is None or self.path.with_name(self.path.name + ".failed").exists():
                 self.given_up = True
-            elif path.exists():
-                self.module = _load(path)
+            elif self.path.exists():
+                self.module = _load(self.path)
                 self.given_up = self.module is None
-            elif self.builder is not None:  # it ended without a library
-                self.given_up = True
             else:
-                try:
-                    self.builder = start_build(path)
-                except OSError:
-                    self.builder = None
-                self.given_up = self.builder is None
+                self.next_look = time.monotonic() + 1.0
         return self.module
+
+    def build_at_exit(self) -> subprocess.Popen | None:
+        """Starts the build (``start_build``) unless the library is there by now; the process it starts outlives
+        this one."""
+        if self.path is None or self.path.exists() or self.path.with_name(self.path.name + ".failed").exists():
+            return None
+        try:
+            return start_build(self.path)
+        except OSError:
+            return None
 
 
 _loader = _Loader()
@@ -445,8 +463,8 @@ _loader = _Loader()
 
 def compiled_checks() -> ModuleType | None:
     """The loaded extension, or ``None``: while torch.compile traces (dynamo cannot trace an extension's functions)
-    or a ``torch.func`` transform runs (its wrapped tensors are checked in Python), while the extension builds (the
-    first call starts the build) and where it cannot be built."""
+    or a ``torch.func`` transform runs (its wrapped tensors are checked in Python), in a process that found it not
+    built (it starts the build as it exits) and where it cannot be built."""
     if torch.compiler.is_compiling() or _current_level() is not None:
         return None
     return _loader.module if _loader.module is not None else _loader.get()

@@ -148,46 +148,40 @@ def test_without_a_compiler_the_checks_stay_in_python(monkeypatch):
     monkeypatch.setattr(_compiled_checks, "_library_path", lambda: None)
     loader = _compiled_checks._Loader()
     assert loader.get() is None and loader.given_up
-    assert loader.builder is None
+    assert loader.build_at_exit() is None
 
 
 @needs_build
-def test_a_missing_build_is_made_in_a_process_of_its_own_and_then_loaded(monkeypatch, tmp_path):
+def test_a_missing_build_is_made_as_the_process_exits_and_loaded_by_the_next(monkeypatch, tmp_path):
     target = tmp_path / "checks" / f"fresh{_compiled_checks._library_path().suffix}"
     monkeypatch.setattr(_compiled_checks, "_library_path", lambda: target)
+    registered = []
+    monkeypatch.setattr(_compiled_checks.atexit, "register", registered.append)
     loader = _compiled_checks._Loader()
-    assert loader.get() is None  # the build started; the caller checks in Python meanwhile
-    builder = loader.builder
+    assert loader.get() is None and not loader.given_up  # checked in Python; nothing is compiled meanwhile
+    assert registered == [loader.build_at_exit] and not target.parent.exists()
+    builder = loader.build_at_exit()  # what the exit runs
     assert builder is not None and builder.args[0] == sys.executable
     assert builder.wait(timeout=300) == 0 and target.exists()
     assert not [p for p in target.parent.iterdir() if p.name.startswith(".build-")]  # its scratch folder is gone
-    module = loader.get()
-    assert loader.builder is builder  # one build
+    assert loader.build_at_exit() is None  # built: nothing to do
+    module = _compiled_checks._Loader().get()  # the next process's
     assert module is not None and module.placed([torch.ones(2)], torch.float32, torch.device("cpu"), True)
 
 
 @needs_build
-def test_a_failed_build_is_not_retried(monkeypatch, tmp_path):
-    monkeypatch.setattr(_compiled_checks, "_library_path", lambda: tmp_path / "checks" / "broken.so")
+def test_a_failed_build_is_not_tried_again(monkeypatch, tmp_path):
+    target = tmp_path / "checks" / "broken.so"
+    monkeypatch.setattr(_compiled_checks, "_library_path", lambda: target)
     monkeypatch.setattr(_compiled_checks, "_SOURCE", "this is no C++")
+    monkeypatch.setattr(_compiled_checks.atexit, "register", lambda hook: None)
     loader = _compiled_checks._Loader()
     assert loader.get() is None
-    assert loader.builder.wait(timeout=300) != 0
-    assert loader.get() is None and loader.given_up
-
-
-@needs_build
-def test_same_places_answers_as_the_python_comparison(checks):
-    leaves = _leaves()
-    for (a, slot), (b, reference) in itertools.product(leaves.items(), repeat=2):
-        plain = type(slot) in PLAIN_TYPES and type(reference) in PLAIN_TYPES
-        expected = True if plain and _same_place(slot, reference) else None
-        assert checks.same_places([[slot]], [reference]) is expected, (a, b)
-    ones = [torch.ones(2), torch.ones(3)]
-    assert checks.same_places([ones, [torch.zeros(2), torch.zeros(3)]], ones) is True
-    assert checks.same_places([ones, [torch.zeros(2), torch.zeros(4)]], ones) is None
-    assert checks.same_places([ones[:1]], ones) is None  # lists of another length: compared in Python
-    assert checks.same_places([], ones) is True
+    assert loader.build_at_exit().wait(timeout=300) != 0
+    assert b"error" in (tmp_path / "checks" / "broken.so.failed").read_bytes()  # the compiler's message
+    later = _compiled_checks._Loader()
+    assert later.get() is None and later.given_up
+    assert later.build_at_exit() is None
 
 
 def _quantized_kinds() -> dict[str, object]:
