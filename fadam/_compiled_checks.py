@@ -344,7 +344,7 @@ def _library_path() -> Path | None:
 # theirs.
 _BUILDER = """
 import os, shutil, subprocess, sys
-scratch, target, command = sys.argv[1], sys.argv[2], sys.argv[3:]
+scratch, target, failure, command = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 # the compiler takes only CPU time that nothing else wants: a nice level alone still delays the wake-up of torch's
 # threads at each parallel region (which made a first Adafactor step on 2 cores take 6 s instead of 0.2)
 if hasattr(os, "sched_setscheduler"):
@@ -363,11 +363,16 @@ with open(os.path.join(os.path.dirname(target), "." + os.path.basename(target) +
     if built and not os.path.exists(target):
         os.replace(os.path.join(scratch, "checks.so"), target)
     if not built:  # what the compiler said, where no later process tries again
-        with open(target + ".failed", "wb") as failed:
-            failed.write(result.stderr[-4000:])
+        with open(failure, "wb") as note:
+            note.write(result.stderr[-4000:])
 shutil.rmtree(scratch, ignore_errors=True)
 sys.exit(0 if built else 1)
 """
+
+
+def _failure_note(target: Path) -> Path:
+    """Where a failed build of ``target`` leaves the compiler's message (and so that no process builds it again)."""
+    return target.with_name(target.name + ".failed")
 
 
 def start_build(target: Path) -> subprocess.Popen | None:
@@ -383,7 +388,7 @@ def start_build(target: Path) -> subprocess.Popen | None:
     source.write_text(_SOURCE)
     command = [compiler[0], str(source), "-o", str(scratch / "checks.so"), *_flags()]
     return subprocess.Popen(
-        [sys.executable, "-c", _BUILDER, str(scratch), str(target), *command],
+        [sys.executable, "-c", _BUILDER, str(scratch), str(target), str(_failure_note(target)), *command],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -438,7 +443,7 @@ class _Loader:
                 self.path = _library_path()
                 if self.path is not None and not self.path.exists():
                     atexit.register(self.build_at_exit)
-            if self.path is None or self.path.with_name(self.path.name + ".failed").exists():
+            if self.path is None or _failure_note(self.path).exists():
                 self.given_up = True
             elif self.path.exists():
                 self.module = _load(self.path)
@@ -450,7 +455,7 @@ class _Loader:
     def build_at_exit(self) -> subprocess.Popen | None:
         """Starts the build (``start_build``) unless the library is there by now; the process it starts outlives
         this one."""
-        if self.path is None or self.path.exists() or self.path.with_name(self.path.name + ".failed").exists():
+        if self.path is None or self.path.exists() or _failure_note(self.path).exists():
             return None
         try:
             return start_build(self.path)
