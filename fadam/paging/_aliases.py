@@ -13,13 +13,13 @@ from typing import Any
 
 from fadam._base import GradientTransformation
 from fadam.aliases import adam, adamw, ademamix
-from fadam.paging._wrapper import DEFAULT_CHUNK_BYTES, page_state
+from fadam.paging._wrapper import page_state
 from fadam.quantization._aliases import adam8bit, adamw8bit, ademamix8bit
 
 _PAGING_PARAMETERS = [
     inspect.Parameter("storage", inspect.Parameter.KEYWORD_ONLY, default="host"),
     inspect.Parameter("path", inspect.Parameter.KEYWORD_ONLY, default=None),
-    inspect.Parameter("chunk_bytes", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_CHUNK_BYTES),
+    inspect.Parameter("chunk_bytes", inspect.Parameter.KEYWORD_ONLY, default=None),
     inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, default=False),
     inspect.Parameter("durable", inspect.Parameter.KEYWORD_ONLY, default=False),
 ]
@@ -42,7 +42,7 @@ def paged(alias: Callable[..., GradientTransformation]) -> Callable[..., Gradien
         *args: Any,
         storage: str = "host",
         path: Any = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         resume: bool = False,
         durable: bool = False,
         **kwargs: Any,

@@ -196,19 +196,32 @@ def _probe_bytes(inner: GradientTransformation, leaf: Any) -> int:
     return _tensor_bytes(inner.init([leaf]))
 
 
-def _plan(inner: GradientTransformation, leaves: list[Any], chunk_bytes: int) -> list[list[int]]:
-    """Groups consecutive param leaves of one device into chunks of about ``chunk_bytes`` of inner state each."""
+def _plan(inner: GradientTransformation, leaves: list[Any], chunk_bytes: int | None, storage: str) -> list[list[int]]:
+    """Groups consecutive param leaves of one device into chunks of about ``chunk_bytes`` of inner state each
+    (``None``: as ``_chunk_limit`` says)."""
     groups: list[list[int]] = []
     size, device = 0, None
     for index, leaf in enumerate(leaves):
-        nbytes = _probe_bytes(inner, leaf)
         leaf_device = leaf.device if isinstance(leaf, torch.Tensor) else None
-        if not groups or leaf_device != device or (size + nbytes > chunk_bytes and groups[-1]):
+        limit = _chunk_limit(chunk_bytes, storage, leaf_device)
+        nbytes = 0 if limit is None else _probe_bytes(inner, leaf)
+        if not groups or leaf_device != device or (limit is not None and size + nbytes > limit and groups[-1]):
             groups.append([])
             size, device = 0, leaf_device
         groups[-1].append(index)
         size += nbytes
     return groups
+
+
+def _chunk_limit(chunk_bytes: int | None, storage: str, device: torch.device | None) -> int | None:
+    """The bytes of state a chunk of leaves on ``device`` holds at most; ``None``: no limit. Unless given, CPU
+    leaves in host storage form one chunk: their step reads and writes the host buffers where they lie, so chunks
+    would bound no copy, and each chunk is one more inner step to prepare."""
+    if chunk_bytes is not None:
+        return chunk_bytes
+    if storage == "host" and (device is None or device.type == "cpu"):
+        return None
+    return DEFAULT_CHUNK_BYTES
 
 
 def _first_difference(found: dict, expected: dict) -> str:
@@ -372,7 +385,7 @@ def page_state(
     inner: GradientTransformation,
     storage: Literal["host", "disk"] = "host",
     path: str | os.PathLike | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     *,
     per_leaf: bool | None = None,
     resume: bool = False,
@@ -398,9 +411,10 @@ def page_state(
     bit-identical, but all of it is on the device during the update. The default, ``None``, decides from ``inner``'s
     declaration (``leafwise``): chunks of leaves where every member of ``inner`` declares per-element math with no
     reduction across leaves and no mask, one chunk otherwise (an opaque transform, ``inject_hyperparams``, a mask).
-    A single leaf is never split. At most two chunks of state are materialized at once: the one being updated and
-    the next one, whose copy runs while the current one computes (on CUDA on a side stream from page-locked memory;
-    from disk the kernel reads the next chunk ahead).
+    A single leaf is never split; unless ``chunk_bytes`` is given, CPU params in host storage are one chunk, since their
+    step reads and writes the host buffers where they lie. At most two chunks of state are materialized at once: the one
+    being updated and the next one, whose copy runs while the current one computes (on CUDA on a side stream from page-
+    locked memory; from disk the kernel reads the next chunk ahead).
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
     ``"disk"``: a file at ``path``, kept open between updates, so the state may exceed RAM: a file that fits in a
@@ -449,7 +463,9 @@ def page_state(
         storage: ``"host"`` or ``"disk"``.
         path: the state file for ``"disk"``; ``None``: a new file in the temp directory per ``init``, removed once
             no state refers to it.
-        chunk_bytes: target bytes of inner state per chunk (``per_leaf=True`` only).
+        chunk_bytes: target bytes of inner state per chunk (``per_leaf=True`` only); ``None``: 64 MiB
+            (``DEFAULT_CHUNK_BYTES``), except that CPU params in host storage form one chunk (their step reads and
+            writes the host buffers in place, so a chunk would bound no copy and only add an inner step's work).
         per_leaf: ``inner`` treats each param leaf independently, so it may run chunk by chunk; ``None``: as
             ``inner``'s declaration says (``leafwise``).
         resume: ``init`` reopens the existing file at ``path`` instead of creating it.
@@ -472,7 +488,7 @@ def page_state(
         raise ValueError(f"storage must be 'host' or 'disk', got {storage!r}")
     if storage == "host" and (path is not None or resume):
         raise ValueError("path and resume apply to storage='disk' only")
-    if not chunk_bytes > 0:
+    if chunk_bytes is not None and not chunk_bytes > 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if path is None and resume:
         raise ValueError("resume=True needs the path of the state file")
@@ -491,7 +507,7 @@ def page_state(
         leaves, spec = tree_flatten(params)
         _refuse_functorch(leaves, "init")
         if per_leaf:
-            groups = _plan(inner, leaves, chunk_bytes)
+            groups = _plan(inner, leaves, chunk_bytes, storage)
         else:
             devices = {leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)}
             if len(devices) > 1:
