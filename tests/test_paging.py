@@ -291,7 +291,6 @@ def test_chunks_hold_about_chunk_bytes_and_never_split_a_leaf():
     assert [c.tolist() for c in whole.chunks] == [[0, 1, 2, 3]]
 
 
-
 def test_cpu_params_in_host_storage_are_one_chunk_unless_chunk_bytes_is_given(monkeypatch, tmp_path):
     monkeypatch.setattr(fadam.paging._wrapper, "DEFAULT_CHUNK_BYTES", 2000)
     params = [torch.zeros(100), torch.zeros(100), torch.zeros(5000), torch.zeros(100)]
@@ -301,6 +300,7 @@ def test_cpu_params_in_host_storage_are_one_chunk_unless_chunk_bytes_is_given(mo
     assert chunks(fadam.page_state(fadam.adam(), chunk_bytes=2000)) == [[0, 1], [2], [3]]
     disk = fadam.page_state(fadam.adam(), "disk", tmp_path / "state")
     assert chunks(disk) == [[0, 1], [2], [3]]  # a file is mapped a chunk at a time when it is large
+
 
 @pytest.mark.parametrize(
     ("make", "chunks"),

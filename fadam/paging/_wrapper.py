@@ -413,8 +413,8 @@ def page_state(
     reduction across leaves and no mask, one chunk otherwise (an opaque transform, ``inject_hyperparams``, a mask).
     A single leaf is never split; unless ``chunk_bytes`` is given, CPU params in host storage are one chunk, since their
     step reads and writes the host buffers where they lie. At most two chunks of state are materialized at once: the one
-    being updated and the next one, whose copy runs while the current one computes (on CUDA on a side stream from page-
-    locked memory; from disk the kernel reads the next chunk ahead).
+    being updated and the next one, whose copy runs while the current one computes (on CUDA on a side stream from
+    page-locked memory; from disk the kernel reads the next chunk ahead).
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
     ``"disk"``: a file at ``path``, kept open between updates, so the state may exceed RAM: a file that fits in a
