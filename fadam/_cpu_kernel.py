@@ -1092,11 +1092,20 @@ class Kernel:
             raise ValueError("quantized state names an unknown map (map_id); nothing was written")
 
 
+NO_COMPILER = "no C++ compiler found (set CXX)"
+
+
+def unbuildable() -> str | None:
+    """Why no generated CPU kernel can be built here (``NO_COMPILER``), or ``None`` where a compiler is found (a
+    build may still fail: ``_library`` warns then)."""
+    return NO_COMPILER if _compiler() is None else None
+
+
 def _library(text: str) -> ctypes.CDLL | None:
     """The shared library compiled from ``text`` (from the disk cache where it is there), or ``None``."""
     compiler = _compiler()
     if compiler is None:
-        _warn_once("no C++ compiler found (set CXX)")
+        _warn_once(NO_COMPILER)
         return None
     described = "\0".join([text, *compiler, " ".join(_flags(compiler[1])), _machine()])
     key = hashlib.sha256(described.encode()).hexdigest()[:24]

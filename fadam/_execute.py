@@ -35,7 +35,7 @@ from torch._C._functorch import maybe_current_level as _current_level
 from fadam import _triton_kernel
 from fadam._base import add_update
 from fadam._compiled_checks import compiled_checks
-from fadam._cpu_kernel import KERNEL_DTYPES, Kernel, Quantized, _aten_fma, load, weight_scalars
+from fadam._cpu_kernel import KERNEL_DTYPES, Kernel, Quantized, _aten_fma, load, unbuildable, weight_scalars
 from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, real_view
 from fadam._numerics import device_vector, is_resident
 from fadam._program import (
@@ -1142,6 +1142,7 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
     grad_enabled = torch.is_grad_enabled()
     parts = segments(program)
     torch_kernels = _torch_kernels_may_run(parts, applies=True)
+    no_cpu_kernel = unbuildable()
     for number, part in enumerate(parts):
         if part.opaque:
             lines.append(f"{_opaque_name(part.stages[0])}: eager (an opaque transform): all {len(paths)} leaves")
@@ -1174,7 +1175,10 @@ def explain(tx: Any, params: PyTree, grads: PyTree | None = None, state: PyTree 
                 reason = "a bfloat16 leaf with a tensor as lerp's weight, addcmul's value or add's alpha"
             if reason is None and traced.graph.operands and p.is_complex():
                 reason = "a complex leaf with spreads (factored statistics), which the kernel does not read"
-            backend = _GENERATED_NAMES[generated_route(p.device)] if reason is None else f"eager: {reason}"
+            route = generated_route(p.device)
+            if reason is None and route == "cpu" and no_cpu_kernel is not None:
+                reason = no_cpu_kernel
+            backend = _GENERATED_NAMES[route] if reason is None else f"eager: {reason}"
             groups.setdefault((names, backend), []).append(paths[i])
         for (names, backend), members in sorted(groups.items()):
             shown = ", ".join(members[:4]) + (f", ... ({len(members)} leaves)" if len(members) > 4 else "")

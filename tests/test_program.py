@@ -327,6 +327,13 @@ def test_without_a_compiler_a_step_warns_once_and_equals_the_eager_path():
     assert _mismatches(kernel, eager) == []
 
 
+@pytest.mark.usefixtures("no_compiler")
+def test_without_a_compiler_explain_says_the_kernel_leaves_run_eagerly_and_why():
+    tx = fadam.chain(fadam.scale_by_lion(), fadam.scale(-1e-4))
+    found = fadam.explain(tx, {"w": torch.zeros(4)})
+    assert found == "scale_by_lion -> scale: eager: no C++ compiler found (set CXX): ['w']"
+
+
 EDGES = [float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-40, -1e-300, -1e30]  # and subnormals
 
 
