@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterable
@@ -1141,7 +1142,19 @@ def _compile(compiler: tuple[str, str], text: str, folder: Path, target: Path) -
 
 @functools.cache
 def _warn_once(reason: str) -> None:
-    warnings.warn(f"fadam: {reason}; composed steps run eagerly", stacklevel=4)
+    warnings.warn(f"fadam: {reason}; composed steps run eagerly", stacklevel=_caller_level())
+
+
+_INSIDE = (str(Path(__file__).parent), str(Path(torch.__file__).parent))  # fadam's files, and torch's wrappers
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that makes a warning from ``_warn_once`` name the line of the code that called fadam,
+    however deep inside fadam (and torch's wrappers, such as ``torch.compiler.disable``'s) the warning arose."""
+    frame, level = sys._getframe(2), 2  # _warn_once is level 1 (its frame is 1 here), its caller 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def load(

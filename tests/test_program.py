@@ -324,6 +324,7 @@ def test_without_a_compiler_a_step_warns_once_and_equals_the_eager_path():
             eager = _eager_step(tx, eager[0], grads, eager[1])
             kernel = fadam.step(tx, kernel[0], grads, kernel[1])
     assert len(caught) == 1
+    assert caught[0].filename == __file__  # the line that called fadam, not one inside it
     assert _mismatches(kernel, eager) == []
 
 
