@@ -1145,7 +1145,9 @@ def _warn_once(reason: str) -> None:
     warnings.warn(f"fadam: {reason}; composed steps run eagerly", stacklevel=_caller_level())
 
 
-_INSIDE = (str(Path(__file__).parent), str(Path(torch.__file__).parent))  # fadam's files, and torch's wrappers
+# fadam's files and torch's wrappers (each folder with its separator: a user's ``fadam_train.py`` beside the package
+# is not inside it)
+_INSIDE = (os.path.join(Path(__file__).parent, ""), os.path.join(Path(torch.__file__).parent, ""))
 
 
 def _caller_level() -> int:
