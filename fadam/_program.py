@@ -533,6 +533,53 @@ class ProgramUpdate:
         return self._update(updates, state, params, **extra_args)
 
 
+def _listed_fields(decl: Elementwise) -> list[str]:
+    """The fields of ``decl``'s state that hold a tree shaped like the params: its slots' and statistics'."""
+    return [slot.name for slot in decl.slots] + [st.name for st in decl.statistics]
+
+
+def join_states(program: Program, states: Sequence[Any]) -> Any | None:
+    """One state of ``program`` for the params of ``states`` one after another, where each is the program's state
+    for a list of params that took every step together (a leafwise ``page_state``'s chunks): its slot and statistics
+    lists joined in order, the rest (counts, carried values) the first state's. ``None`` where the program is not
+    made of plain declarations (an opaque, expanding or masked stage) or a state holds those trees in another form."""
+    if any(s.decl is None or s.expand is not None or s.selections for s in program.stages):
+        return None
+    whole = states[0]
+    for stage in program.stages:
+        fields = _listed_fields(stage.decl)
+        if not fields:
+            continue
+        parts = [state_at(s, stage.path) for s in states]
+        if not all(isinstance(getattr(part, name), list) for part in parts for name in fields):
+            return None
+        joined = {name: [leaf for part in parts for leaf in getattr(part, name)] for name in fields}
+        whole = with_state_at(whole, stage.path, state_at(whole, stage.path)._replace(**joined))
+    return whole
+
+
+def split_state(program: Program, whole: Any, like: Sequence[Any]) -> list[Any]:
+    """The states that ``join_states(program, like)`` joined, taken from ``whole`` (that joined state after a step):
+    each holds its own part of the slot and statistics lists and ``whole``'s counts and carried values."""
+    fields: dict[tuple[int | str, ...], list[str]] = {}  # per state path of a stage with state: its listed fields
+    for stage in program.stages:
+        if not stage.decl.stateless:
+            fields.setdefault(stage.path, []).extend(_listed_fields(stage.decl))
+    found = []
+    start = 0
+    for state in like:
+        count = 0
+        for path, names in fields.items():
+            part = state_at(whole, path)
+            if names:
+                count = len(getattr(state_at(state, path), names[0]))
+                part = part._replace(**{name: getattr(part, name)[start : start + count] for name in names})
+            state = with_state_at(state, path, part)
+        found.append(state)
+        start += count
+    return found
+
+
 def state_at(state: Any, path: tuple[int | str, ...]) -> Any:
     for key in path:
         state = getattr(state, key) if isinstance(key, str) and hasattr(state, "_fields") else state[key]

@@ -421,6 +421,52 @@ def test_a_fused_disk_step_takes_its_checksum_from_the_kernel_and_it_verifies(
     state_file.close()
 
 
+@pytest.mark.parametrize(
+    ("make", "chunk_bytes"),
+    [
+        # a stage with a count and no slots (the schedule) beside Adam's: every chunk's counts advance
+        (
+            lambda: fadam.chain(
+                fadam.scale_by_adam(),
+                fadam.add_decayed_weights(1e-2),
+                fadam.scale_by_schedule(fadam.linear_schedule(-1e-2, -1e-3, 5)),
+            ),
+            4096,
+        ),
+        (lambda: fadam.adamw8bit(1e-2, min_size=1), 1024),
+    ],
+)
+def test_the_chunks_of_a_file_mapped_whole_step_in_one_kernel_call_as_unpaged(tmp_path, monkeypatch, make, chunk_bytes):
+    from fadam import _cpu_kernel
+
+    calls = []
+    original = _cpu_kernel.Kernel.run
+
+    def counting(self, *args, **kwargs):
+        calls.append(len(args[0]))  # the leaves of the call
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_cpu_kernel.Kernel, "run", counting)
+    reference, path = make(), tmp_path / "s"
+    tx = fadam.page_state(make(), storage="disk", path=path, chunk_bytes=chunk_bytes)
+    params, expected = _params(), _params()
+    state, expected_state = tx.init(params), reference.init(expected)
+    assert len(state.chunks) == 3
+    for step in range(3):
+        calls.clear()
+        params, state = fadam.step(tx, params, _grads(step), state, donate=True)
+        assert calls == [4], calls
+        with fadam.backend("kernel"):
+            expected, expected_state = fadam.step(reference, expected, _grads(step), expected_state, donate=True)
+        assert all(torch.equal(a, b) for a, b in zip(params, expected))
+    # the file holds each chunk's state of the step, counts included: a resumed step is the unpaged one
+    resumed = fadam.page_state(make(), storage="disk", path=path, chunk_bytes=chunk_bytes, resume=True)
+    params, _ = fadam.step(resumed, params, _grads(3), resumed.init(_params()))
+    with fadam.backend("kernel"):
+        expected, _ = fadam.step(reference, expected, _grads(3), expected_state)
+    assert all(torch.equal(a, b) for a, b in zip(params, expected))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_moments_summed_by_the_kernel_across_its_chunks_verify_and_step_as_unpaged(tmp_path, bits):
     # leaves over several of the kernel's chunks of 16384 elements, with partial 64-byte rows of codes at their ends,

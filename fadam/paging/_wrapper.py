@@ -16,6 +16,7 @@ from torch._C import _functorch
 from fadam._base import FusibleUpdate, GradientTransformation, add_update
 from fadam._dispatch import can_write_in_place, is_dtensor
 from fadam._execute import fast_step, run_update
+from fadam._program import join_states, split_state
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
 from fadam.paging._checksum import ChunkChecksum
 from fadam.paging._storage import (
@@ -414,7 +415,9 @@ def page_state(
     A single leaf is never split; unless ``chunk_bytes`` is given, CPU params in host storage are one chunk, since their
     step reads and writes the host buffers where they lie. At most two chunks of state are materialized at once: the one
     being updated and the next one, whose copy runs while the current one computes (on CUDA on a side stream from
-    page-locked memory; from disk the kernel reads the next chunk ahead).
+    page-locked memory; from disk the kernel reads the next chunk ahead). A fused step on the CPU of a file that
+    stays mapped steps all of its chunks in one call of the generated kernel: they are views of the map, which
+    cost no memory, and one call spares each chunk an inner step's work.
 
     **Storages.** ``"host"``: two buffers per chunk in CPU memory (page-locked when params are on an accelerator).
     ``"disk"``: a file at ``path``, kept open between updates, so the state may exceed RAM: a file that fits in a
@@ -617,12 +620,16 @@ def page_state(
         fused: Callable[[list[int], PyTree, _Fetched], PyTree | None] | None = None,
         in_place: bool = False,
         checked: tuple[list[Any], list[Any]] | None = None,
+        fused_whole: Callable[[list[list[int]], list[_Fetched]], list[PyTree] | None] | None = None,
     ) -> PagedState:
         """Streams every chunk through ``inner.update``, hands each chunk's updates to ``consume`` and commits.
 
         ``fused(group, grads, chunk)``, when given, may instead step the chunk's params with the inner transform's
-        fused kernel and return the chunk's new state (``None``: it cannot, take the general path). ``checked``: the
-        leaves of the updates and of the params from the caller's ``check_leaves``, where there are params.
+        fused kernel and return the chunk's new state (``None``: it cannot, take the general path).
+        ``fused_whole(groups, chunks)`` may step every chunk at once where the state file is mapped whole (its chunks
+        are views of the map, so having all of them at hand costs no memory) and return their new states.
+        ``checked``: the leaves of the updates and of the params from the caller's ``check_leaves``, where there are
+        params.
         """
         if not isinstance(state, PagedState):
             raise ValueError(f"page_state expected a PagedState, got {type(state).__name__}")
@@ -638,9 +645,21 @@ def page_state(
             access = _StorageAccess(state, state_file, durable, in_place)
             access.begin()
             pipeline = _pipeline(access, chunks, groups, grad_leaves, buffer_views)
+            fetched: list[_Fetched | None] = []
+            if fused_whole is not None and state_file is not None and state_file.keeps_windows and len(chunks) > 1:
+                fetched = [next(pipeline) for _ in chunks]
+                new_states = fused_whole(groups, fetched)
+                if new_states is not None:
+                    for k, (chunk, new_state) in enumerate(zip(fetched, new_states)):
+                        chunk.store(_checked(new_state, chunks[k], k, chunk.given))
+                    next(pipeline, None)
+                    return access.finish()
             for k in range(len(chunks)):
                 # not enumerate/zip: their cached result tuple keeps the previous chunk alive during the next fetch
-                chunk = next(pipeline)
+                if fetched:
+                    chunk, fetched[k] = fetched[k], None
+                else:
+                    chunk = next(pipeline)
                 group = groups[k]
                 grads_k = [grad_leaves[i] for i in group] if per_leaf else updates
                 if fused is not None:
@@ -723,8 +742,41 @@ def page_state(
                 new_params[i] = p
             return result[1]
 
+        def fused_whole(groups: list[list[int]], fetched: list[_Fetched]) -> list[PyTree] | None:
+            # every chunk of a file mapped whole in one step: one kernel call for all of them, not one per chunk
+            targets = [chunk.target() for chunk in fetched]
+            if program is None or any(target is None for target in targets):
+                return None
+            whole = join_states(program, [chunk.state for chunk in fetched])
+            into = join_states(program, targets)
+            if whole is None or into is None:
+                return None
+            order = [i for group in groups for i in group]
+            params_all = [param_leaves[i] if donate else param_leaves[i].clone() for i in order]
+            grads_all = [grad_leaves[i] for i in order]
+            checked = (grads_all, params_all, _list_spec(len(order)))
+            sums: dict[int, bytes] = {}
+            result = fast_step(inner, params_all, grads_all, whole, True, into=into, checked=checked, sums=sums)
+            if result is None:
+                return None
+            for i, p in zip(order, result[0]):
+                new_params[i] = p
+            for chunk in fetched:
+                chunk.sums.update(sums)  # by data pointer: each chunk's checksum finds its own leaves
+            return split_state(program, result[1], [chunk.state for chunk in fetched])
+
         fast_chunk = fused if fast is not None else None
-        new_state = run(grads, state, params, {}, apply, fast_chunk, donate, checked=(grad_leaves, param_leaves))
+        new_state = run(
+            grads,
+            state,
+            params,
+            {},
+            apply,
+            fast_chunk,
+            donate,
+            checked=(grad_leaves, param_leaves),
+            fused_whole=fused_whole if fast is not None else None,
+        )
         return spec.unflatten(new_params), new_state
 
     # Chunks stream between host memory or a file and the device through Python, outside any graph: inside a compiled
