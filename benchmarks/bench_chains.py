@@ -7,9 +7,10 @@ donated steps, ``fadam.step(tx, params, grads, state, donate=True)``, on their o
 with fixed grads (``randn * 1e-2``); row 7 is the pure path, ``tx.update`` + ``fadam.apply_updates``. The torch
 anchor of rows 1-2 clips its ``.grad`` in place, so its grads are re-copied from the fixed grads outside the timed
 region before each of its steps. The bound is the bytes per element the fadam variant must move (``BYTES`` below)
-over the in-place bandwidth measured here (``mul_`` on 64M floats), shown in ms and as a fraction of the anchor's
-time. A "first step (s)" table gives each variant's first step after ``init`` (cold: includes any kernel build, so
-workload (b) sees whatever (a) already built). A fadam variant that raises is skipped with a printed note.
+over the in-place bandwidth (``mul_`` on 64M floats, timed as one more variant of the same rounds: a probe run once
+at the start read half the bandwidth in some runs on a 2-core Xeon VM), shown in ms and as a fraction of the
+anchor's time. A "first step (s)" table gives each variant's first step after ``init`` (cold: includes any kernel
+build, so workload (b) sees whatever (a) already built). A fadam variant that raises is skipped with a printed note.
 
 Run: ``python benchmarks/bench_chains.py [--rounds 20] [--threads 2]``
 """
@@ -35,6 +36,8 @@ from bench_adam import inplace_bandwidth_gbs  # benchmarks/, the script's folder
 import fadam
 
 ELEMENTS = 16_777_216
+PROBE = "in-place mul_ (bandwidth)"
+PROBE_ELEMENTS = 64 * 1024 * 1024
 
 # Bytes per element the fadam variant must move at the least, fp32 tensors (4 bytes), 8-bit codes (1 byte) and one
 # fp32 absmax per 256-element block and moment (4 / 256 bytes, read + written: 2 * 4 / 256 per 8-bit moment).
@@ -190,6 +193,9 @@ def measure(shapes: list[tuple[int, ...]], rounds: int, disk_dir: Path) -> tuple
     params0 = [torch.randn(shape) for shape in shapes]
     grads = [torch.randn(shape) * 1e-2 for shape in shapes]
     variants = torch_variants(params0, grads)
+    # the bandwidth of the bounds, measured in the same rounds as the rows, so that it sees the same machine
+    probe = torch.ones(PROBE_ELEMENTS)
+    variants[PROBE] = Variant(lambda: probe.mul_(1.0000001))
     first: dict[str, float] = {}
     for name, make_tx in fadam_txs(disk_dir).items():
         try:
@@ -236,7 +242,11 @@ def main() -> None:
             disk_dir.mkdir()
             firsts[workload], medians[workload] = measure(shapes, args.rounds, disk_dir)
 
+    # one read and one write of each element of the probe
+    bandwidths = {workload: 2 * PROBE_ELEMENTS * 4 / (ms[PROBE] / 1e3) / 1e9 for workload, ms in medians.items()}
+    measured = ", ".join(f"{workload[:3]} {gbs:.1f}" for workload, gbs in bandwidths.items())
     print(f"median ms per step over {args.rounds} interleaved rounds; ratio = fadam / anchor")
+    print(f"bound = bytes per element / in-place bandwidth measured in the same rounds ({measured} GB/s)")
     print(f"{'row':<24}{'workload':<17}{'fadam ms':>9}{'anchor ms':>10}{'ratio':>7}{'bound ms':>9}{'bound/anchor':>13}")
     for row, nbytes in BYTES.items():
         for workload, ms in medians.items():
@@ -244,7 +254,7 @@ def main() -> None:
                 print(f"{row:<24}{workload:<17}  skipped (it or its anchor raised)")
                 continue
             fadam_ms, anchor_ms = ms[row], ms[ANCHOR[row]]
-            bound_ms = nbytes * ELEMENTS / (bandwidth * 1e9) * 1e3
+            bound_ms = nbytes * ELEMENTS / (bandwidths[workload] * 1e9) * 1e3
             print(
                 f"{row:<24}{workload:<17}{fadam_ms:9.1f}{anchor_ms:10.1f}{fadam_ms / anchor_ms:7.2f}"
                 f"{bound_ms:9.1f}{bound_ms / anchor_ms:13.2f}"
@@ -254,7 +264,7 @@ def main() -> None:
         print(f"  {row:<24}{ANCHOR[row]}")
 
     print("\nfirst step (s): the first step after init, before warm-up")
-    names = list(dict.fromkeys(name for first in firsts.values() for name in first))
+    names = list(dict.fromkeys(name for first in firsts.values() for name in first if name != PROBE))
     print(f"  {'variant':<37}" + "".join(f"{workload:>17}" for workload in firsts))
     for name in names:
         cells = "".join(f"{first[name]:17.3f}" if name in first else f"{'-':>17}" for first in firsts.values())
