@@ -9,8 +9,8 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
-from fadam._dispatch import can_write_in_place, first_overlap, overlap_in_leaves
-from fadam._tree import PyTree, check_leaves, tree_leaves, tree_map, tree_paths
+from fadam._dispatch import can_write_in_place, first_overlap
+from fadam._tree import PyTree, check_leaves, tree_map, tree_paths
 
 __all__ = [
     "EmptyState",
@@ -260,8 +260,9 @@ def _warn_if_aliased(params: PyTree, grads: PyTree, state: PyTree, checked: Any 
     if checked is None:
         found = first_overlap(params, grads, state)
     else:
-        grad_leaves, param_leaves, _ = checked
-        found = overlap_in_leaves([param_leaves, grad_leaves, tree_leaves(state)])
+        from fadam._execute import overlap_with_state  # as in ``step``
+
+        found = overlap_with_state(checked, state)
     if found is None:
         return False
     # checked gradients are in the params' order, so the params' paths name them

@@ -166,9 +166,19 @@ PyObject* leaf_ready(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// distinct_storages(trees): True where every leaf of ``trees`` (lists of leaves) is None or a plain strided tensor
-// and no two of those share a storage, so that fadam._dispatch.overlap_in_leaves finds no overlap; None otherwise,
-// where the caller looks in Python
+// Whether ``o`` is a plain strided tensor whose storage (if it has memory) is not in ``seen``, which takes it
+bool unseen_storage(PyObject* o, std::unordered_set<const void*>& seen) {
+  if (!plain(o)) return false;
+  const at::Tensor& t = unpacked(o);
+  if (t.layout() != at::kStrided || !t.has_storage()) return false;
+  const void* pointer = t.storage().data_ptr().get();
+  return pointer == nullptr || seen.insert(pointer).second;
+}
+
+// distinct_storages(trees): True where every leaf of ``trees`` (lists of leaves) is None, a plain strided tensor or
+// a QuantizedArray of four such tensors, and no two of those tensors share a storage, so that
+// fadam._dispatch.overlap_in_leaves finds no overlap among the tensors; None otherwise, where the caller looks in
+// Python
 PyObject* distinct_storages(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* trees;
@@ -180,11 +190,12 @@ PyObject* distinct_storages(PyObject*, PyObject* args) {
     for (Py_ssize_t i = 0; i < found.size(); ++i) {
       PyObject* o = found[i];
       if (o == Py_None) continue;
-      if (!plain(o)) Py_RETURN_NONE;
-      const at::Tensor& t = unpacked(o);
-      if (t.layout() != at::kStrided || !t.has_storage()) Py_RETURN_NONE;
-      const void* pointer = t.storage().data_ptr().get();
-      if (pointer != nullptr && !seen.insert(pointer).second) Py_RETURN_NONE;
+      if (Py_TYPE(o) == quantized_type) {
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(o); ++j)
+          if (!unseen_storage(PyTuple_GET_ITEM(o, j), seen)) Py_RETURN_NONE;
+      } else if (!unseen_storage(o, seen)) {
+        Py_RETURN_NONE;
+      }
     }
   }
   Py_RETURN_TRUE;

@@ -36,7 +36,7 @@ from fadam import _triton_kernel
 from fadam._base import add_update
 from fadam._compiled_checks import compiled_checks
 from fadam._cpu_kernel import KERNEL_DTYPES, Kernel, Quantized, _aten_fma, load, unbuildable, weight_scalars
-from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, real_view
+from fadam._dispatch import FUSED_DTYPES, PLAIN_TYPES, functorch_wrapped, is_plain, overlap_in_leaves, real_view
 from fadam._numerics import device_vector, is_resident
 from fadam._program import (
     Elementwise,
@@ -55,7 +55,7 @@ from fadam._program import (
 )
 from fadam._sparse import check_sparse
 from fadam._torch_kernels import shape_of, torch_kernel
-from fadam._tree import PyTree, _order_like, check_leaves, tree_paths
+from fadam._tree import PyTree, _order_like, check_leaves, tree_leaves, tree_paths
 from fadam.combinators._masking import _select
 from fadam.quantization._codec import QuantizedArray, dequantize_blockwise, expected_sizes, quantize_blockwise, slot_map
 
@@ -649,6 +649,19 @@ def step_check(tx: Any, params: PyTree, grads: PyTree) -> Checked | None:
     if getattr(tx.update, "program", None) is None:
         return None
     return check_leaves(grads, params, what="grads", sparse=True)
+
+
+def overlap_with_state(checked: Checked, state: PyTree) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """``overlap_in_leaves`` of ``checked``'s params and gradients and of ``state``'s leaves. Where the compiled check
+    finds every storage distinct, the state is flattened only down to its quantized slots, which it reads whole:
+    flattening into their four tensors each took most of the check's time for quantized state."""
+    grad_leaves, param_leaves, _ = checked
+    checks = compiled_checks()
+    if checks is not None:
+        grouped = optree.tree_leaves(state, is_leaf=_is_slot_leaf, none_is_leaf=True)
+        if checks.distinct_storages([param_leaves, grad_leaves, grouped]):
+            return None
+    return overlap_in_leaves([param_leaves, grad_leaves, tree_leaves(state)])
 
 
 def _copied(state: PyTree, into: PyTree) -> PyTree:

@@ -18,7 +18,7 @@ from fadam._dispatch import PLAIN_TYPES, storage_pointers
 from fadam._execute import _same_place, placed_in_python
 from fadam._program import Storage
 from fadam._tree import _dense_alike
-from fadam.quantization import quantize_blockwise
+from fadam.quantization import QuantizedArray, quantize_blockwise
 
 _HEADERS = Path(sysconfig.get_paths()["include"], "Python.h").exists()
 needs_build = pytest.mark.skipif(
@@ -100,8 +100,9 @@ def test_placed_accepts_what_the_kernels_take(checks):
 
 
 def _distinct_in_python(trees: list[list[object]]) -> bool | None:
-    """What ``distinct_storages`` must answer: ``True`` where every leaf is None or a plain strided tensor and the
-    pointers ``overlap_in_leaves`` reads are distinct (zero aside)."""
+    """What ``distinct_storages`` must answer: ``True`` where every leaf is None or a plain strided tensor (a quantized
+    one's four tensors each) and the pointers ``overlap_in_leaves`` reads are distinct (zero aside)."""
+    trees = [[t for leaf in tree for t in (leaf if type(leaf) is QuantizedArray else (leaf,))] for tree in trees]
     leaves = [leaf for tree in trees for leaf in tree]
     if not all(leaf is None or (type(leaf) in PLAIN_TYPES and leaf.layout is torch.strided) for leaf in leaves):
         return None
@@ -113,6 +114,7 @@ def _distinct_in_python(trees: list[list[object]]) -> bool | None:
 def test_distinct_storages_answers_as_the_python_pointers(checks):
     buffer = torch.zeros(10)
     tied = torch.ones(3)
+    quantized = quantize_blockwise(torch.randn(300))
     kinds = {
         "separate": [[torch.ones(2), torch.ones(2)], [torch.ones(2)], []],
         "tied": [[tied, tied], [], []],
@@ -126,6 +128,10 @@ def test_distinct_storages_answers_as_the_python_pointers(checks):
         "subclass": [[torch.ones(2).as_subclass(_Subclass)], [], []],
         "parameter": [[torch.nn.Parameter(torch.ones(2))], [torch.ones(2)], []],
         "no leaves": [[], [], []],
+        "quantized slots": [[buffer], [tied], [quantized, quantize_blockwise(torch.ones(300))]],
+        "one quantized slot twice": [[buffer], [], [quantized, quantized]],
+        "a quantized slot's scales in a param": [[buffer], [], [quantized._replace(absmax=buffer[:2])]],
+        "a quantized slot's map id in another's": [[], [], [quantized, quantized._replace(codes=tied.byte())]],
     }
     for name, trees in kinds.items():
         assert checks.distinct_storages(trees) is _distinct_in_python(trees), name
