@@ -100,6 +100,14 @@ bool quantized_placed(PyObject* q, Py_ssize_t codes_length, Py_ssize_t absmax_le
          (where.is_cpu() ? map_id.is_cpu() : map_id.device() == where);
 }
 
+// Item ``i`` of a leaf_ready row: the param (0), its update (1) or a slot, which may be quantized
+bool item_ready(PyObject* o, Py_ssize_t i, at::ScalarType dtype, const at::Device& where, bool grad_enabled,
+                Py_ssize_t codes_length, Py_ssize_t absmax_length) {
+  return i >= 2 && Py_TYPE(o) == quantized_type
+             ? codes_length >= 0 && quantized_placed(o, codes_length, absmax_length, where, grad_enabled)
+             : plain(o) && walkable(unpacked(o), dtype, where, grad_enabled);
+}
+
 // setup(torch.Tensor, torch.nn.Parameter, QuantizedArray, optimizable dtypes)
 PyObject* setup(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
@@ -155,14 +163,55 @@ PyObject* leaf_ready(PyObject*, PyObject* args) {
   const at::ScalarType scalar_type = reinterpret_cast<THPDtype*>(dtype)->scalar_type;
   const at::Device& where = reinterpret_cast<THPDevice*>(device)->device;
   const Items found(tensors);
-  for (Py_ssize_t i = 0; i < found.size(); ++i) {
-    PyObject* o = found[i];
-    const bool ready = i >= 2 && Py_TYPE(o) == quantized_type
-                           ? codes_length >= 0 && quantized_placed(o, codes_length, absmax_length, where, grad_enabled)
-                           : plain(o) && walkable(unpacked(o), scalar_type, where, grad_enabled);
-    if (!ready) Py_RETURN_FALSE;
-  }
+  for (Py_ssize_t i = 0; i < found.size(); ++i)
+    if (!item_ready(found[i], i, scalar_type, where, grad_enabled, codes_length, absmax_length)) Py_RETURN_FALSE;
   Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
+// rows_ready(params, updates, slot_rows, grad_enabled, bits, block): per leaf, a layout code where leaf_ready accepts
+// the CPU leaf ``[params[i], updates[i], *slot_rows[i]]`` of a float32, float64 or bfloat16 param of one or more
+// dimensions, with quantized slots of ``bits`` in blocks of ``block`` (bits 0: none) sized for the param, as
+// fadam._execute.ready asks it, else 0 (the caller asks ``ready``). The code tells the param's dtype (1, 2, 3 for
+// float32, float64, bfloat16) plus 4 times the mask of the quantized slots: leaves of one code share a layout
+PyObject* rows_ready(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *params, *updates, *slot_rows;
+  int grad_enabled, bits;
+  Py_ssize_t block;
+  if (!PyArg_ParseTuple(args, "OOOpin", &params, &updates, &slot_rows, &grad_enabled, &bits, &block)) return nullptr;
+  const Items ps(params), us(updates), rows(slot_rows);
+  if (us.size() != ps.size() || rows.size() != ps.size() || (bits != 0 && block <= 0)) {
+    PyErr_SetString(PyExc_ValueError, "one update and one row of slots per param, and a positive block");
+    return nullptr;
+  }
+  const at::Device cpu(at::kCPU);
+  THPObjectPtr codes(PyList_New(ps.size()));
+  if (!codes) return nullptr;
+  for (Py_ssize_t i = 0; i < ps.size(); ++i) {
+    PyObject* p = ps[i];
+    long long code = 0;
+    const at::ScalarType dtype = plain(p) ? unpacked(p).scalar_type() : at::kByte;
+    const long long kind = dtype == at::kFloat ? 1 : dtype == at::kDouble ? 2 : dtype == at::kBFloat16 ? 3 : 0;
+    const Items slots(rows[i]);
+    if (kind != 0 && us[i] != Py_None && unpacked(p).dim() != 0 && unpacked(p).is_cpu() && slots.size() <= 48) {
+      const Py_ssize_t n = unpacked(p).numel();
+      const Py_ssize_t codes_length = bits == 0 ? -1 : (bits == 8 ? n : (n + 1) / 2);
+      const Py_ssize_t scales = bits == 0 ? -1 : (n + block - 1) / block;
+      bool ready = item_ready(p, 0, dtype, cpu, grad_enabled, codes_length, scales) &&
+                   item_ready(us[i], 1, dtype, cpu, grad_enabled, codes_length, scales);
+      long long quantized = 0;
+      for (Py_ssize_t k = 0; ready && k < slots.size(); ++k) {
+        ready = item_ready(slots[k], k + 2, dtype, cpu, grad_enabled, codes_length, scales);
+        if (Py_TYPE(slots[k]) == quantized_type) quantized |= 1LL << k;
+      }
+      code = ready ? kind + 4 * quantized : 0;
+    }
+    PyObject* value = PyLong_FromLongLong(code);
+    if (!value) return nullptr;
+    PyList_SET_ITEM(codes.get(), i, value);
+  }
+  return codes.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -292,6 +341,7 @@ PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, nullptr},
     {"placed", placed, METH_VARARGS, nullptr},
     {"leaf_ready", leaf_ready, METH_VARARGS, nullptr},
+    {"rows_ready", rows_ready, METH_VARARGS, nullptr},
     {"distinct_storages", distinct_storages, METH_VARARGS, nullptr},
     {"first_unlike", first_unlike, METH_VARARGS, nullptr},
     {"same_places", same_places, METH_VARARGS, nullptr},

@@ -744,15 +744,17 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
                 part, chosen, stage_states, scalars, members, slot_rows, step, new_slots, donate
             )
         kernel: dict[int, list[Any]] = {}  # the leaves that take the kernel -> their slot leaves
+        codes: dict[int, int] = {}  # the leaves the compiled checks accepted -> their layout codes
         if not eager_only and chosen:
-            for i in members:
-                slots = slot_rows[i]
-                # the slots the kernel writes into (``into``'s) are checked with those it reads, in one call
-                checked = slots if target_rows is None else [*slots, *target_rows[i]]
-                if ready(_reference(step, i), step.updates[i], checked, grad_enabled, storage):
-                    kernel[i] = slots
+            # the slots the kernel writes into (``into``'s) are checked with those it reads
+            checked = [slot_rows[i] if target_rows is None else [*slot_rows[i], *target_rows[i]] for i in members]
+            for i, slots, code in zip(members, checked, _ready_on_cpu(step, members, checked, grad_enabled, storage)):
+                if code:
+                    kernel[i], codes[i] = slot_rows[i], code
+                elif ready(_reference(step, i), step.updates[i], slots, grad_enabled, storage):
+                    kernel[i] = slot_rows[i]
         if kernel:
-            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate, target_rows, own)
+            _run_kernel(part, chosen, scalars, kernel, step, new_slots, applies, donate, target_rows, own, codes)
         taken = kernel
         eager = [i for i in members if i not in taken]
         if eager and chosen:
@@ -763,6 +765,21 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         trees, statistic_trees = ([entry.spec.unflatten(leaves) for leaves in kind] for kind in (slots, statistics))
         state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees, found, statistic_trees))
     return state
+
+
+def _ready_on_cpu(
+    step: _Step, members: list[int], slots: list[list[Any]], grad_enabled: bool, storage: Storage | None
+) -> list[int]:
+    """Per leaf of ``members``, the layout code of a leaf that the compiled checks accept for the C++ kernel as
+    ``ready`` would (``rows_ready``: leaves of one code share their dtypes), in one call for all of them; 0: ask
+    ``ready``."""
+    checks = compiled_checks()
+    if checks is None or _backend.get() == "triton":
+        return [0] * len(members)
+    params = [step.params[i] for i in members]
+    updates = [step.updates[i] for i in members]
+    bits, block = (0, 0) if storage is None else (storage.bits, storage.block)
+    return checks.rows_ready(params, updates, slots, grad_enabled, bits, block)
 
 
 def _statistics(part: Segment, scalars: list[dict], step: _Step) -> tuple[list[list | None], list[list]]:
@@ -924,32 +941,37 @@ def _run_kernel(
     donate: bool,
     targets: list[list[Any]] | None,
     own: list[list | None],
+    codes: dict[int, int],
 ) -> None:
     """Runs the stages ``chosen`` of ``part`` in the generated kernel on ``members`` (leaf -> its slot leaves, which
     the kernel reads and writes where donated; elsewhere, or in ``targets``, each leaf's slot leaves to write).
-    ``own``: per stage, its leaves' values from their statistics (``_statistics``)."""
+    ``own``: per stage, its leaves' values from their statistics (``_statistics``). ``codes``: the layout codes of
+    the members that ``_ready_on_cpu`` accepted."""
     decls: list[Elementwise] = [part.stages[k].decl for k in chosen]
     traced = trace(tuple(decls), applies)
     per_stage = [scalars[k] for k in chosen]
     host_values: list[float] | None = None  # the scalars as doubles, read once for the groups that take them
     leaf_reducing = [(j, decls[j]) for j in range(len(decls)) if decls[j].reduce_leaf is not None]
     slot_specs = [slot for decl in decls for slot in decl.slots]
-    # the leaves by the dtypes the kernel reads (a complex leaf's: its reals'), a quantized slot marked as such
-    by_layout: dict[tuple, list[int]] = {}
-    real = _REAL.get
+    by_layout: dict[tuple, list[int]] = {}  # the leaves by their layout (``_layout``)
     with_values = any(own[k] is not None for k in chosen)
     own_values = {i: _leaf_values(part, chosen, own, step, i) for i in members} if with_values else {}
     eager: list[int] = []
+    # without spreads, the leaves of one layout code share a layout: the first one's (most steps: every leaf's)
+    coded = not traced.graph.operands and len(codes) == len(members)
+    by_code: dict[int, list[int]] = {}
     for i, slot_leaves in members.items():
-        reference = _reference(step, i)
-        dtype = reference.dtype
-        slot_dtypes = [_QUANTIZED if type(t) is QuantizedArray else real(t.dtype, t.dtype) for t in slot_leaves]
-        spreads = _spreads(traced, own_values[i], reference) if traced.graph.operands else ()
+        if coded and codes[i] in by_code:
+            by_code[codes[i]].append(i)
+            continue
+        spreads = _spreads(traced, own_values[i], _reference(step, i)) if traced.graph.operands else ()
         if spreads is None:
             eager.append(i)
             continue
-        layout = (reference.device, real(dtype, dtype), *slot_dtypes, *(t.dtype for t in spreads))
-        by_layout.setdefault(layout, []).append(i)
+        group = by_layout.setdefault(_layout(step, i, slot_leaves, spreads), [])
+        group.append(i)
+        if coded:
+            by_code[codes[i]] = group
     if eager:
         _run_eager(part, chosen, scalars, eager, step, new_slots, own)
     rounded_tensors = _tensor_weights(traced, [scalars[k] for k in chosen])
@@ -1022,6 +1044,16 @@ def _run_kernel(
                 step.new_params[i], step.applied[i], step.updates[i] = final, True, None
             else:
                 step.updates[i] = step.owned[i] = final
+
+
+def _layout(step: _Step, i: int, slot_leaves: list[Any], spreads: Any) -> tuple:
+    """Leaf ``i``'s layout in ``_run_kernel``: its device, the dtypes the kernel reads (a complex leaf's: its reals'),
+    a quantized slot marked as such."""
+    real = _REAL.get
+    reference = _reference(step, i)
+    dtype = reference.dtype
+    slot_dtypes = [_QUANTIZED if type(t) is QuantizedArray else real(t.dtype, t.dtype) for t in slot_leaves]
+    return (reference.device, real(dtype, dtype), *slot_dtypes, *(t.dtype for t in spreads))
 
 
 def _leaf_values(part: Segment, chosen: list[int], own: list[list | None], step: _Step, i: int) -> dict[str, Any]:

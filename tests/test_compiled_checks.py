@@ -239,6 +239,40 @@ def test_ready_answers_the_same_with_the_extension(checks, monkeypatch, grad_ena
 
 
 @needs_build
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_rows_ready_accepts_only_leaves_that_ready_accepts_and_codes_their_layout(checks, grad_enabled):
+    """``rows_ready`` answers for many leaves at once what ``ready``'s compiled check answers for each, with a code
+    that tells the param's dtype and which slots are quantized; 0 only sends a leaf to ``ready``, so a leaf it accepts
+    must be one ``ready`` accepts, and the common leaves must be accepted."""
+    from fadam import _execute
+
+    p, u = torch.randn(1000), torch.randn(1000)
+    cases = {f"param {name}": [leaf, u] for name, leaf in _leaves().items()}
+    cases |= {f"update {name}": [p, leaf] for name, leaf in _leaves().items()}
+    cases |= {f"slot {name}": [p, u, leaf] for name, leaf in {**_leaves(), **_quantized_kinds()}.items()}
+    cases |= {"two slots": [p, u, torch.zeros(1000), quantize_blockwise(u)], "no slots": [p, u]}
+    cases |= {"float64 param": [p.double(), u.double(), torch.zeros(1000, dtype=torch.float64)]}
+    cases |= {"0-d float64 param": [torch.tensor(1.0, dtype=torch.float64)] * 2, "missing update": [p, None]}
+    for storage in (Storage(bits=8, block=256), None):
+        bits, block = (0, 0) if storage is None else (storage.bits, storage.block)
+        rows = list(cases.values())
+        codes = checks.rows_ready(
+            [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows], grad_enabled, bits, block
+        )
+        for (name, (param, update, *slots)), code in zip(cases.items(), codes):
+            if code:
+                assert _execute.ready(param, update, slots, grad_enabled, storage), name
+                dtypes = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
+                mask = sum(1 << k for k, slot in enumerate(slots) if type(slot) is QuantizedArray)
+                assert code == dtypes[param.dtype] + 4 * mask, name
+        common = ["no slots", "slot float32", "float64 param"] + (["two slots", "slot quantized"] if storage else [])
+        assert all(codes[list(cases).index(name)] for name in common), storage
+    assert checks.rows_ready([p], [u], [[quantize_blockwise(u)]], grad_enabled, 0, 0) == [0]
+    with pytest.raises(ValueError, match="one update and one row"):
+        checks.rows_ready([p], [], [[]], grad_enabled, 0, 0)
+
+
+@needs_build
 def test_same_places_compares_a_quantized_slot_by_its_shape_and_its_codes_device(checks):
     for name, slot in _quantized_kinds().items():
         for reference in (torch.ones(1000), torch.ones(10, 100), torch.ones(999), torch.ones(1000, device="meta")):
