@@ -46,7 +46,7 @@ _SOURCE = r"""
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
-#include <unordered_set>
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -215,38 +215,70 @@ PyObject* rows_ready(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// Whether ``o`` is a plain strided tensor whose storage (if it has memory) is not in ``seen``, which takes it
-bool unseen_storage(PyObject* o, std::unordered_set<const void*>& seen) {
-  if (!plain(o)) return false;
-  const at::Tensor& t = unpacked(o);
-  if (t.layout() != at::kStrided || !t.has_storage()) return false;
-  const void* pointer = t.storage().data_ptr().get();
-  return pointer == nullptr || seen.insert(pointer).second;
+// Prefetches ``count`` cache lines from ``at``
+void prefetch_lines(const void* at, int count) {
+  for (int line = 0; line < count; ++line) __builtin_prefetch(static_cast<const char*>(at) + 64 * line);
+}
+
+// Prefetches the objects of ``items`` from ``start`` on, then the TensorImpls of the plain tensors among them
+// (distinct_storages says why)
+void prefetch_tensors(const Items& items, Py_ssize_t start) {
+  for (Py_ssize_t i = start; i < items.size(); ++i) __builtin_prefetch(items[i]);
+  for (Py_ssize_t i = start; i < items.size(); ++i)
+    if (plain(items[i])) prefetch_lines(unpacked(items[i]).unsafeGetTensorImpl(), 4);
 }
 
 // distinct_storages(trees): True where every leaf of ``trees`` (lists of leaves) is None, a plain strided tensor or
 // a QuantizedArray of four such tensors, and no two of those tensors share a storage, so that
 // fadam._dispatch.overlap_in_leaves finds no overlap among the tensors; None otherwise, where the caller looks in
-// Python
+// Python. Right after a kernel has swept the caches, each tensor's Python object, TensorImpl and StorageImpl are a
+// cache miss apiece: they are read level by level, each level prefetched for every tensor first, so that the misses
+// overlap instead of following one another.
 PyObject* distinct_storages(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* trees;
   if (!PyArg_ParseTuple(args, "O", &trees)) return nullptr;
   const Items lists(trees);
-  std::unordered_set<const void*> seen;
+  std::vector<PyObject*> leaves;
   for (Py_ssize_t k = 0; k < lists.size(); ++k) {
     const Items found(lists[k]);
     for (Py_ssize_t i = 0; i < found.size(); ++i) {
-      PyObject* o = found[i];
-      if (o == Py_None) continue;
-      if (Py_TYPE(o) == quantized_type) {
-        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(o); ++j)
-          if (!unseen_storage(PyTuple_GET_ITEM(o, j), seen)) Py_RETURN_NONE;
-      } else if (!unseen_storage(o, seen)) {
-        Py_RETURN_NONE;
-      }
+      if (found[i] == Py_None) continue;
+      __builtin_prefetch(found[i]);
+      leaves.push_back(found[i]);
     }
   }
+  std::vector<PyObject*> tensors;
+  tensors.reserve(leaves.size());
+  for (PyObject* o : leaves) {
+    if (Py_TYPE(o) != quantized_type) {
+      tensors.push_back(o);
+      continue;
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(o); ++j) {
+      __builtin_prefetch(PyTuple_GET_ITEM(o, j));
+      tensors.push_back(PyTuple_GET_ITEM(o, j));
+    }
+  }
+  std::vector<c10::TensorImpl*> impls;
+  impls.reserve(tensors.size());
+  for (PyObject* o : tensors) {
+    if (!plain(o)) Py_RETURN_NONE;
+    impls.push_back(unpacked(o).unsafeGetTensorImpl());
+    prefetch_lines(impls.back(), 4);  // the fields read below lie in its first few lines
+  }
+  for (c10::TensorImpl* impl : impls) {
+    if (impl->layout() != at::kStrided || !impl->has_storage()) Py_RETURN_NONE;
+    __builtin_prefetch(impl->unsafe_storage().unsafeGetStorageImpl());
+  }
+  std::vector<const void*> pointers;
+  pointers.reserve(impls.size());
+  for (c10::TensorImpl* impl : impls) {
+    const void* pointer = impl->unsafe_storage().data_ptr().get();
+    if (pointer != nullptr) pointers.push_back(pointer);
+  }
+  std::sort(pointers.begin(), pointers.end());
+  if (std::adjacent_find(pointers.begin(), pointers.end()) != pointers.end()) Py_RETURN_NONE;
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }
@@ -265,6 +297,8 @@ PyObject* first_unlike(PyObject*, PyObject* args) {
     return nullptr;
   }
   Py_ssize_t i = start < 0 ? 0 : start;
+  prefetch_tensors(found, i);
+  prefetch_tensors(refs, i);
   for (; i < found.size(); ++i) {
     PyObject* o = found[i];
     if (o == Py_None) continue;

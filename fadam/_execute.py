@@ -1017,10 +1017,14 @@ def _run_kernel(
                 final = p if donate else torch.empty_like(p)
             else:
                 final = u if step.owned.get(i) is u else torch.empty_like(u)
-            pointed = [*_pointed(slot_in), *_pointed(slot_out)] if quantized_group else [*slot_in, *slot_out]
-            row = [u, p, *pointed, final] if reads_params else [u, *pointed, final]
-            row = [real_view(t) for t in row] if u.is_complex() else row
-            rows.append([*row, *(own_values[i][name].values for name in traced.graph.operands)])
+            read = _pointed(slot_in) if quantized_group else slot_in
+            written = read if slot_out is slot_in else _pointed(slot_out) if quantized_group else slot_out
+            row = [u, p, *read, *written, final] if reads_params else [u, *read, *written, final]
+            if u.is_complex():
+                row = [real_view(t) for t in row]
+            if operands:
+                row.extend(own_values[i][name].values for name in traced.graph.operands)
+            rows.append(row)
             outputs.append(slot_out)
             finals.append(final)
         if _scalars_on_device(kernel, per_stage, leaf_values):
