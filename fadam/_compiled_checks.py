@@ -195,7 +195,7 @@ PyObject* rows_ready(PyObject*, PyObject* args) {
     const long long kind = dtype == at::kFloat ? 1 : dtype == at::kDouble ? 2 : dtype == at::kBFloat16 ? 3 : 0;
     const Items slots(rows[i]);
     if (kind != 0 && us[i] != Py_None && unpacked(p).dim() != 0 && unpacked(p).is_cpu() && slots.size() <= 48) {
-      const Py_ssize_t n = unpacked(p).numel();
+      const Py_ssize_t n = unpacked(p).numel();  // the lengths fadam.quantization._codec.expected_sizes gives
       const Py_ssize_t codes_length = bits == 0 ? -1 : (bits == 8 ? n : (n + 1) / 2);
       const Py_ssize_t scales = bits == 0 ? -1 : (n + block - 1) / block;
       bool ready = item_ready(p, 0, dtype, cpu, grad_enabled, codes_length, scales) &&
