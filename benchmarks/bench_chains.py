@@ -1,16 +1,16 @@
 """Step time of fadam's chains and aliases against their closest torch.optim anchors, and against the bandwidth bound.
 
-Two workloads of 16.8M fp32 elements: (a) one tensor, (b) 200 tensors (the shapes of ``bench_adam.py``). Every
-variant runs interleaved in one process (round-robin, one step each per round, after two warm-up steps) so that
-machine noise hits them alike; the medians are compared as ``ratio = fadam ms / anchor ms``. fadam variants are
-donated steps, ``fadam.step(tx, params, grads, state, donate=True)``, on their own clones of the same initial params
-with fixed grads (``randn * 1e-2``); row 7 is the pure path, ``tx.update`` + ``fadam.apply_updates``. The torch
-anchor of rows 1-2 clips its ``.grad`` in place, so its grads are re-copied from the fixed grads outside the timed
-region before each of its steps. The bound is the bytes per element the fadam variant must move (``BYTES`` below)
-over the in-place bandwidth (``mul_`` on 64M floats, timed as one more variant of the same rounds: a probe run once
-at the start read half the bandwidth in some runs on a 2-core Xeon VM), shown in ms and as a fraction of the
-anchor's time. A "first step (s)" table gives each variant's first step after ``init`` (cold: includes any kernel
-build, so workload (b) sees whatever (a) already built). A fadam variant that raises is skipped with a printed note.
+Two workloads of 16.8M fp32 elements: (a) one tensor, (b) 200 tensors (the shapes of ``bench_adam.py``). Every variant
+runs interleaved in one process (round-robin, one step each per round, after two warm-up steps) so that machine noise
+hits them alike; the medians are compared as ``ratio = fadam ms / anchor ms``. fadam variants are donated steps,
+``fadam.step(tx, params, grads, state, donate=True)``, on their own clones of the same initial params with fixed grads
+(``randn * 1e-2``); row 7 is the pure path, ``tx.update`` + ``fadam.apply_updates``. The torch anchor of rows 1-2
+clips its ``.grad`` in place, so its grads are re-copied from the fixed grads outside the timed region before each of
+its steps. The bound is the bytes per element the fadam variant must move (``BYTES`` below) over the in-place
+bandwidth (``mul_`` on 64M floats, timed as one more variant of the same rounds, so that it sees the machine as the
+rows do), shown in ms and as a fraction of the anchor's time. A "first step (s)" table gives each variant's first step
+after ``init`` (cold: includes any kernel build, so workload (b) sees whatever (a) already built). A fadam variant
+that raises is skipped with a printed note.
 
 Run: ``python benchmarks/bench_chains.py [--rounds 20] [--threads 2]``
 """
@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_adam import inplace_bandwidth_gbs  # benchmarks/, the script's folder
 
 import fadam
 
@@ -98,11 +97,12 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def print_machine(threads: int, bandwidth: float, workloads: str = "") -> None:
-    """The header of a benchmark's table: the CPU, torch, the threads, the bandwidth (then ``workloads``) and the
-    load."""
+def print_machine(threads: int, bandwidth: float | None, workloads: str = "") -> None:
+    """The header of a benchmark's table: the CPU, torch, the threads, the bandwidth where it was measured first
+    (then ``workloads``) and the load."""
     print(f"{cpu_model()}, torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{threads} threads, in-place bandwidth {bandwidth:.1f} GB/s{workloads}")
+    measured = "" if bandwidth is None else f", in-place bandwidth {bandwidth:.1f} GB/s"
+    print(f"{threads} threads{measured}{workloads}")
     print(f"load average at start {os.getloadavg()[0]:.2f} (other processes on the machine skew every figure)\n")
 
 
@@ -228,8 +228,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    bandwidth = inplace_bandwidth_gbs(max(args.rounds, 5))
-    print_machine(args.threads, bandwidth, f", {ELEMENTS:,} fp32 elements per workload")
+    print_machine(args.threads, None, f", {ELEMENTS:,} fp32 elements per workload")
     workloads = {
         "(a) 1 x 16.8M": [(ELEMENTS,)],
         "(b) 200 tensors": [(ELEMENTS // 200,)] * 199 + [(ELEMENTS - 199 * (ELEMENTS // 200),)],

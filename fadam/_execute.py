@@ -1018,7 +1018,7 @@ def _run_kernel(
             else:
                 final = u if step.owned.get(i) is u else torch.empty_like(u)
             read = _pointed(slot_in) if quantized_group else slot_in
-            written = read if slot_out is slot_in else _pointed(slot_out) if quantized_group else slot_out
+            written = read if slot_out is slot_in else (_pointed(slot_out) if quantized_group else slot_out)
             row = [u, p, *read, *written, final] if reads_params else [u, *read, *written, final]
             if u.is_complex():
                 row = [real_view(t) for t in row]
