@@ -175,25 +175,27 @@ typedef int (*MklThreads)(int);  // MKL_Set_Num_Threads_Local
 # The two running sums of ``fadam.paging._checksum`` (its docstring defines them), written once for its own C++
 # function and for the streamed kernels below, which take them of what they write.
 FLETCHER = """\
+// eight 64-bit lanes as one value: the compiler keeps them in whatever vector registers the ISA has
+typedef uint64_t fadam_lanes __attribute__((vector_size(64)));
 // adds nbytes of data, in rows of 64 bytes (the last one zero padded), to the running sums a[8] and b[8]
 static inline void fadam_fletcher_rows(const unsigned char* data, int64_t nbytes, uint64_t* a, uint64_t* b) {
+  fadam_lanes x, y, w;
+  std::memcpy(&x, a, sizeof x);
+  std::memcpy(&y, b, sizeof y);
   const int64_t full = nbytes / 64;
   for (int64_t r = 0; r < full; ++r) {
-    uint64_t w[8];
-    std::memcpy(w, data + r * 64, 64);
-    for (int l = 0; l < 8; ++l) {
-      a[l] += w[l];
-      b[l] += a[l];
-    }
+    std::memcpy(&w, data + r * 64, 64);
+    x += w;
+    y += x;
   }
   if (full * 64 < nbytes) {
-    uint64_t w[8] = {0};
-    std::memcpy(w, data + full * 64, nbytes - full * 64);
-    for (int l = 0; l < 8; ++l) {
-      a[l] += w[l];
-      b[l] += a[l];
-    }
+    w = fadam_lanes{};
+    std::memcpy(&w, data + full * 64, nbytes - full * 64);
+    x += w;
+    y += x;
   }
+  std::memcpy(a, &x, sizeof x);
+  std::memcpy(b, &y, sizeof y);
 }
 // adds the sums (a, b) of a run of rows that ``after`` more rows of the whole follow to the whole's (s1, s2)
 static inline void fadam_fletcher_join(uint64_t* s1, uint64_t* s2, const uint64_t* a, const uint64_t* b,
@@ -212,18 +214,35 @@ _STREAM = (
     FLETCHER
     + """\
 #if defined(__SSE2__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 static inline void fadam_stream_sum(void* dst, const void* src, int64_t nbytes, uint64_t* sums) {
   const unsigned char* from = static_cast<const unsigned char*>(src);
   fadam_fletcher_rows(from, nbytes, sums, sums + 8);
   unsigned char* to = static_cast<unsigned char*>(dst);
 #if defined(__SSE2__)
-  const int64_t head = fadam_min<int64_t>(nbytes, (16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15);
+  // the widest store the ISA has: a whole 64-byte line per store leaves the fewest lines partly written at a time
+#if defined(__AVX512F__)
+  constexpr int64_t width = 64;
+#elif defined(__AVX__)
+  constexpr int64_t width = 32;
+#else
+  constexpr int64_t width = 16;
+#endif
+  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(to) & (width - 1));
+  const int64_t head = fadam_min<int64_t>(nbytes, (width - misaligned) & (width - 1));
   std::memcpy(to, from, head);
   int64_t j = head;
-  for (; j + 16 <= nbytes; j += 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + j), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j)));
+  for (; j + width <= nbytes; j += width) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(to + j), _mm512_loadu_si512(from + j));
+#elif defined(__AVX__)
+    const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + j));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + j), row);
+#else
+    const __m128i row = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + j), row);
+#endif
   }
   std::memcpy(to + j, from + j, nbytes - j);
 #else
