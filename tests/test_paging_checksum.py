@@ -79,7 +79,7 @@ def test_a_chunks_checksum_reads_its_leaves_in_order_and_not_the_padding():
     expected.add(buffer[128:328])
     padded_elsewhere = buffer.clone()
     padded_elsewhere[100:128] = 7
-    assert _checksum.ChunkChecksum.of_leaves(padded_elsewhere, places).value == expected.value
+    assert _checksum.ChunkChecksum.of_leaves(padded_elsewhere, _checksum.Spans.of(places)).value == expected.value
     reversed_order = _checksum.ChunkChecksum()
     reversed_order.add(buffer[128:328])
     reversed_order.add(buffer[0:100])

@@ -24,10 +24,11 @@ import array
 import ctypes
 import functools
 import hashlib
+import itertools
 import struct
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,9 +77,13 @@ extern "C" void fadam_fletcher(const unsigned char* data, int64_t nbytes, uint64
 // leaf under serial_below bytes takes one thread, so that the threads share a chunk of many small leaves
 extern "C" void fadam_fletcher_leaves(const unsigned char* base, const int64_t* offsets, const int64_t* sizes,
                                       int64_t count, uint64_t* sums, int64_t threads, int64_t serial_below) {
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    // a small leaf's rows in one run, on the thread that took it (no parallel region of its own)
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t i = 0; i < count; ++i) {
-        if (sizes[i] < serial_below) fadam_fletcher(base + offsets[i], sizes[i], sums + 16 * i, 1);
+        if (sizes[i] >= serial_below) continue;
+        uint64_t* found = sums + 16 * i;
+        std::memset(found, 0, 16 * sizeof(uint64_t));
+        fadam_fletcher_rows(base + offsets[i], sizes[i], found, found + 8);
     }
     for (int64_t i = 0; i < count; ++i) {
         if (sizes[i] >= serial_below) fadam_fletcher(base + offsets[i], sizes[i], sums + 16 * i, threads);
@@ -140,6 +145,22 @@ def _torch_sums(data: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in (*s1.tolist(), *s2.tolist()))
 
 
+class Spans(NamedTuple):
+    """A chunk's leaves of at least one byte, in order of offset, as ``ChunkChecksum.of_leaves`` reads them: where
+    each starts, its bytes, and those as the hash takes them. A chunk's layout makes it once."""
+
+    offsets: list[int]
+    nbytes: list[int]
+    packed: list[bytes]
+
+    @classmethod
+    def of(cls, places: Iterable[Any]) -> Spans:
+        """The spans of leaves at ``places`` (their ``offset`` and ``nbytes``, in order of offset)."""
+        filled = [place for place in places if place.nbytes]
+        nbytes = [place.nbytes for place in filled]
+        return cls([place.offset for place in filled], nbytes, [_SIZE.pack(n) for n in nbytes])
+
+
 class ChunkChecksum:
     """A chunk's checksum, fed its leaves' bytes in order of offset (``add``), or their sums (``add_sums``)."""
 
@@ -148,22 +169,22 @@ class ChunkChecksum:
         self._empty = True
 
     @classmethod
-    def of_leaves(
-        cls, buffer: torch.Tensor, places: Iterable[Any], known: dict[int, bytes] | None = None
-    ) -> ChunkChecksum:
-        """The checksum of the leaves at ``places`` (their ``offset`` and ``nbytes``) in a chunk's bytes (a contiguous
-        uint8 CPU tensor), leaf after leaf; the padding between them is not part of it. ``known``: the sums of
-        leaves already taken as they were written (16 unsigned 64-bit numbers, in memory's byte order), by the data
-        pointer of the leaf's first byte."""
+    def of_leaves(cls, buffer: torch.Tensor, spans: Spans, known: dict[int, bytes] | None = None) -> ChunkChecksum:
+        """The checksum of the leaves at ``spans`` in a chunk's bytes (a contiguous uint8 CPU tensor), leaf after
+        leaf; the padding between them is not part of it. ``known``: the sums of leaves already taken as they were
+        written (16 unsigned 64-bit numbers, in memory's byte order), by the data pointer of the leaf's first
+        byte."""
         checksum, base, known = cls(), buffer.data_ptr(), known or {}
-        filled = [place for place in places if place.nbytes]
-        summed = [(place.offset, place.nbytes) for place in filled if base + place.offset not in known]
-        computed = iter(spans_sums(buffer, summed))
-        for place in filled:
-            sums = known.get(base + place.offset)
-            if sums is None:
-                sums = next(computed)
-            checksum.add_sums(place.nbytes, _NATIVE_SUMS.unpack(sums) if _SWAPPED else sums)
+        found = [known.get(base + offset) for offset in spans.offsets]
+        missing = [i for i, sums in enumerate(found) if sums is None]
+        computed = spans_sums(buffer, [(spans.offsets[i], spans.nbytes[i]) for i in missing])
+        for i, sums in zip(missing, computed):
+            found[i] = sums
+        if _SWAPPED:
+            found = [_SUMS.pack(*_NATIVE_SUMS.unpack(sums)) for sums in found]
+        # a single update of the hash with each leaf's size and sums in turn, as ``add_sums`` leaf after leaf gives
+        checksum._hash.update(b"".join(itertools.chain.from_iterable(zip(spans.packed, found))))
+        checksum._empty = not found
         return checksum
 
     def add(self, data: torch.Tensor) -> None:

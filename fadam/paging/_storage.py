@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fadam.paging._checksum import ChunkChecksum
+from fadam.paging._checksum import ChunkChecksum, Spans
 
 FORMAT_VERSION = 3  # 64-bit Fletcher checksums of each slot's data (``_checksum``)
 _OLDER_FORMATS = {1: "without checksums of its data", 2: "with CRC-32 checksums of its data"}
@@ -127,7 +127,7 @@ def described_places(chunk: dict) -> list[LeafPlace]:
 
 def leaves_checksum(buffer: torch.Tensor, places: list[LeafPlace]) -> int:
     """The checksum of a chunk's state leaves in ``buffer`` (``ChunkChecksum.of_leaves``)."""
-    return ChunkChecksum.of_leaves(buffer, places).value
+    return ChunkChecksum.of_leaves(buffer, Spans.of(places)).value
 
 
 def _bytes_of(tensor: torch.Tensor, nbytes: int) -> memoryview:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import operator
 import os
 import tempfile
 import weakref
@@ -18,7 +20,7 @@ from fadam._dispatch import can_write_in_place, is_dtensor
 from fadam._execute import fast_step, run_update
 from fadam._program import join_states, split_state
 from fadam._tree import PyTree, check_leaves, path_str, tree_flatten
-from fadam.paging._checksum import ChunkChecksum
+from fadam.paging._checksum import ChunkChecksum, Spans
 from fadam.paging._storage import (
     Commit,
     LeafPlace,
@@ -67,6 +69,8 @@ class _Chunk(NamedTuple):
     places: list[LeafPlace]
     size: int
     on_device: dict[int, bool]  # per tensor leaf, by its index: whether it lives on the params' device
+    place_of: dict[int, LeafPlace]  # per tensor leaf, by its index: its place in the chunk's bytes
+    spans: Spans  # what the chunk's checksum reads
     splits: list[_Split]
     dtensors: bool  # whether any leaf is a DTensor
 
@@ -99,7 +103,9 @@ def _chunk(layout: PyTree, placement: torch.Tensor) -> _Chunk:
     places, size = leaf_places([_local(x) for x in meta_leaves])
     dtensors = any(is_dtensor(x) for x in meta_leaves)
     on_device = {place.index: bool(flag) for place, flag in zip(places, placement.tolist())}
-    return _Chunk(spec, meta_leaves, places, size, on_device, _splits(places, size), dtensors)
+    place_of = {place.index: place for place in places}
+    spans = Spans.of(places)
+    return _Chunk(spec, meta_leaves, places, size, on_device, place_of, spans, _splits(places, size), dtensors)
 
 
 def _splits(places: list[LeafPlace], size: int) -> list[_Split]:
@@ -133,25 +139,34 @@ def _views(buffer: torch.Tensor, chunk: _Chunk) -> list[tuple[int, torch.Tensor]
     return found
 
 
+def _cpu_state(buffer: torch.Tensor, chunk: _Chunk) -> tuple[PyTree, list[Any]]:
+    """A chunk's state as zero-copy views of ``buffer`` (its DTensor leaves as their local shards), and its
+    leaves."""
+    leaves = list(chunk.meta_leaves)
+    for index, view in _views(buffer, chunk):
+        leaves[index] = view
+    return chunk.spec.unflatten(leaves), leaves
+
+
 class _BufferViews:
-    """The views of each storage buffer's chunk leaves, made once per buffer: a host buffer, or a window of a file
-    mapped whole, is the same tensor at every step of its state, and making the views (a ``split_with_sizes`` of
-    thousands of parts for quantized state) was most of the Python a paged step spends per leaf. An entry lives as
-    long as its buffer (``weakref.finalize``)."""
+    """Each storage buffer's chunk state (``_cpu_state``), made once per buffer: a host buffer, or a window of a
+    file mapped whole, is the same tensor at every step of its state, and making the views (a ``split_with_sizes``
+    of thousands of parts for quantized state) and their tree was most of the Python a paged step spends per leaf.
+    An entry lives as long as its buffer (``weakref.finalize``); its tree and leaves are shared, never modified."""
 
     def __init__(self) -> None:
-        self._found: dict[int, tuple[weakref.ref, _Chunk, list[tuple[int, torch.Tensor]]]] = {}
+        self._found: dict[int, tuple[weakref.ref, _Chunk, tuple[PyTree, list[Any]]]] = {}
 
-    def of(self, buffer: torch.Tensor, chunk: _Chunk) -> list[tuple[int, torch.Tensor]]:
+    def of(self, buffer: torch.Tensor, chunk: _Chunk) -> tuple[PyTree, list[Any]]:
         key = id(buffer)
         entry = self._found.get(key)
         if entry is not None and entry[0]() is buffer and entry[1] is chunk:
             return entry[2]
-        views = _views(buffer, chunk)
+        state = _cpu_state(buffer, chunk)
         if entry is None:  # the first entry of this buffer: it goes when the buffer does
             weakref.finalize(buffer, self._found.pop, key, None)
-        self._found[key] = (weakref.ref(buffer), chunk, views)
-        return views
+        self._found[key] = (weakref.ref(buffer), chunk, state)
+        return state
 
 
 class _Layouts:
@@ -260,18 +275,17 @@ def _materialize(
     chunk: _Chunk,
     device: torch.device,
     streams: _Streams | None,
-    views_of: Callable[[torch.Tensor, _Chunk], list[tuple[int, torch.Tensor]]] = _views,
+    state_of: Callable[[torch.Tensor, _Chunk], tuple[PyTree, list[Any]]] = _cpu_state,
 ) -> tuple[PyTree, list[Any]]:
-    """One chunk's inner state on ``device``, and its leaves: CPU leaves are views of ``buffer`` (``views_of``'s);
-    device leaves are copies, made on the copy stream when ``streams`` is given (``_pipeline`` makes the compute
-    stream wait for them)."""
-    leaves = list(chunk.meta_leaves)
-    views = views_of(buffer, chunk)
+    """One chunk's inner state on ``device``, and its leaves: CPU leaves are views of ``buffer`` (``state_of``'s,
+    as they are where no leaf is a DTensor); device leaves are copies, made on the copy stream when ``streams`` is
+    given (``_pipeline`` makes the compute stream wait for them)."""
+    tree, views = state_of(buffer, chunk)
     if device.type == "cpu" and not chunk.dtensors:  # the common case: views only, no per-leaf work
-        for index, view in views:
-            leaves[index] = view
-        return chunk.spec.unflatten(leaves), leaves
-    for index, view in views:
+        return tree, views
+    leaves = list(chunk.meta_leaves)
+    for place in chunk.places:
+        index, view = place.index, views[place.index]
         if chunk.on_device[index] and device.type != "cpu":
             if streams is not None:
                 with torch.cuda.stream(streams.h2d):
@@ -336,10 +350,10 @@ class _StorageAccess:
         checksum needs."""
         self.file.write(k, self.write_commit.slot, place, leaf, self.checksums[k])
 
-    def stored(self, k: int, window: torch.Tensor, places: list[LeafPlace], sums: dict[int, bytes]) -> None:
+    def stored(self, k: int, window: torch.Tensor, spans: Spans, sums: dict[int, bytes]) -> None:
         """Chunk ``k``'s new state lies in ``window`` (from ``write``): its checksum, from the sums the kernel took
         of the leaves it wrote there (``sums``, by data pointer) and from the bytes of the others."""
-        self.checksums[k] = ChunkChecksum.of_leaves(window, places, sums)
+        self.checksums[k] = ChunkChecksum.of_leaves(window, spans, sums)
 
     def advise(self, k: int) -> None:
         if self.file is not None:
@@ -856,12 +870,12 @@ def _pipeline(
     pinned = access.file is None and any(b[0].is_pinned() for b in access.state.buffers[:1])
     streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
     # a window of a file too large to stay mapped is mapped anew at every step
-    views_of = buffer_views.of if access.file is None or access.file.keeps_windows else _views
+    state_of = buffer_views.of if access.file is None or access.file.keeps_windows else _cpu_state
 
     def fetch(k: int) -> tuple[PyTree, list[Any], Any, torch.Tensor]:
         stream = streams.get(devices[k])
         buffer = access.read(k)
-        state, leaves = _materialize(buffer, chunks[k], devices[k], stream, views_of)
+        state, leaves = _materialize(buffer, chunks[k], devices[k], stream, state_of)
         event = stream.h2d.record_event() if stream is not None else None
         return state, leaves, event, buffer
 
@@ -898,7 +912,7 @@ def _pipeline(
         ) -> None:
             if working:  # disk, updated in its writable map: what is not there yet, then the checksum
                 _write_back(working[0], chunks[k], new_leaves, given)
-                access.stored(k, working[0], chunks[k].places, sums)
+                access.stored(k, working[0], chunks[k].spans, sums)
             elif access.file is not None:
                 for place in chunks[k].places:
                     access.store(k, place, _local(new_leaves[place.index]))
@@ -922,12 +936,12 @@ def _pipeline(
                 if access.file is not None:  # the slot being written, mapped, becomes the working copy
                     working.append(access.write(k))
                     working[0].copy_(source)
-                    tree, leaves = _materialize(working[0], chunks[k], devices[k], None, views_of)
+                    tree, leaves = _materialize(working[0], chunks[k], devices[k], None, state_of)
                 elif buffer.data_ptr() == source.data_ptr():  # donated host state: it is its own working copy
                     tree, leaves = state, state_leaves
                 else:
                     buffer.copy_(source)  # the spare buffer becomes the working copy
-                    tree, leaves = _materialize(buffer, chunks[k], devices[k], None, views_of)
+                    tree, leaves = _materialize(buffer, chunks[k], devices[k], None, state_of)
                 given[:] = leaves
                 return tree
             # device leaves are already private copies; host-side ones (step counts) still view the storage
@@ -948,10 +962,10 @@ def _pipeline(
             if access.file is None:  # with ``spare``, the host buffer the new state goes to, unless it is the state's
                 if not spare or buffer.data_ptr() == source.data_ptr():
                     return None
-                tree, given[:] = _materialize(buffer, chunks[k], devices[k], None, views_of)
+                tree, given[:] = _materialize(buffer, chunks[k], devices[k], None, state_of)
                 return tree
             working.append(access.write(k))  # the slot being written, mapped: the new state goes there
-            tree, given[:] = _materialize(working[0], chunks[k], devices[k], None, views_of)
+            tree, given[:] = _materialize(working[0], chunks[k], devices[k], None, state_of)
             return tree
 
         yield _Fetched(state, store, owned, target, given, sums)
@@ -962,16 +976,13 @@ def _pipeline(
 
 def _write_back(buffer: torch.Tensor, chunk: _Chunk, new_leaves: list[Any], given: list[Any]) -> None:
     """Copies a chunk's new state into ``buffer`` (CPU), skipping the leaves a fused step updated there in place:
-    the very views of ``buffer`` it was given (``given``, a check per leaf that costs next to nothing), or any other
-    tensor over the same bytes."""
-    before = given or chunk.meta_leaves
-    base = buffer.data_ptr()
-    for place in chunk.places:
-        leaf = new_leaves[place.index]
-        if leaf is before[place.index] or place.nbytes == 0:
+    the very views of ``buffer`` it was given (``given``), or any other tensor over the same bytes."""
+    for index in _changed(new_leaves, given or chunk.meta_leaves):
+        place = chunk.place_of.get(index)
+        if place is None or place.nbytes == 0:
             continue
-        leaf = _local(leaf)
-        if leaf.data_ptr() != base + place.offset or not leaf.is_contiguous():
+        leaf = _local(new_leaves[index])
+        if leaf.data_ptr() != buffer.data_ptr() + place.offset or not leaf.is_contiguous():
             view_leaf(buffer, place).copy_(leaf)
 
 
@@ -1009,9 +1020,8 @@ def _checked(new_state: PyTree, chunk: _Chunk, k: int, given: list[Any]) -> list
     leaves, spec = tree_flatten(new_state)
     if spec != chunk.spec:
         raise RuntimeError(f"the inner transform changed its state structure in chunk {k}: {spec} vs {chunk.spec}")
-    for index, (leaf, meta, before) in enumerate(zip(leaves, chunk.meta_leaves, given or chunk.meta_leaves)):
-        if leaf is before:  # in place, or a non-tensor leaf kept as it was
-            continue
+    for index in _changed(leaves, given or chunk.meta_leaves):  # not in place, nor a non-tensor leaf kept as it was
+        leaf, meta = leaves[index], chunk.meta_leaves[index]
         if isinstance(meta, torch.Tensor):
             if not isinstance(leaf, torch.Tensor) or leaf.shape != meta.shape or leaf.dtype != meta.dtype:
                 raise RuntimeError(
@@ -1030,6 +1040,12 @@ def _checked(new_state: PyTree, chunk: _Chunk, k: int, given: list[Any]) -> list
             where = _where(spec, k, index)
             raise RuntimeError(f"paged state holds tensors only; the non-tensor leaf at {where} changed")
     return leaves
+
+
+def _changed(leaves: list[Any], before: list[Any]) -> Iterator[int]:
+    """The indices where ``leaves`` hold another object than ``before``: an identity test a leaf, in C (a fused step
+    changes few leaves of thousands)."""
+    return itertools.compress(itertools.count(), map(operator.is_not, leaves, before))
 
 
 def _where(spec: Any, k: int, index: int) -> str:
