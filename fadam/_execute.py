@@ -725,6 +725,8 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         for stage, stage_state, entry in zip(part.stages, stage_states, entries)
     ]
     eager_only = any(_graph_scalar(v, grad_enabled) for stage in scalars for v in stage.values())
+    # before the kernels: a step over more memory than the caches hold leaves them cold for the small ops after it
+    counts = [stage.decl.next_count(stage_state) for stage, stage_state in zip(part.stages, stage_states)]
     own, new_statistics = _statistics(part, scalars, step)
     storage = part.storage
     groups: dict[tuple[bool, ...], list[int]] = {}  # the stages that apply to a leaf -> its leaves
@@ -759,11 +761,12 @@ def _run_segment(part: Segment, state: Any, step: _Step, applies: bool, donate: 
         eager = [i for i in members if i not in taken]
         if eager and chosen:
             _run_eager(part, chosen, scalars, eager, step, new_slots, own)
-    for stage, stage_state, entry, slots, found, statistics in zip(
-        part.stages, stage_states, entries, new_slots, scalars, new_statistics
+    for stage, stage_state, entry, slots, found, statistics, counted in zip(
+        part.stages, stage_states, entries, new_slots, scalars, new_statistics, counts
     ):
         trees, statistic_trees = ([entry.spec.unflatten(leaves) for leaves in kind] for kind in (slots, statistics))
-        state = with_state_at(state, stage.path, stage.decl.advance(stage_state, trees, found, statistic_trees))
+        advanced = stage.decl.advance(stage_state, trees, found, statistic_trees, counted)
+        state = with_state_at(state, stage.path, advanced)
     return state
 
 

@@ -181,15 +181,24 @@ class Elementwise(NamedTuple):
             scalars = {**scalars, **self.reduce(updates)}
         return scalars
 
+    def next_count(self, state: Any) -> list[torch.Tensor]:
+        """The state's count after this step, in a list; an empty one where the transform counts no steps."""
+        return [safe_increment(state.count)] if self.counted else []
+
     def advance(
-        self, state: Any, slot_trees: Sequence[PyTree], scalars: Scalars, statistic_trees: Sequence[PyTree] = ()
+        self,
+        state: Any,
+        slot_trees: Sequence[PyTree],
+        scalars: Scalars,
+        statistic_trees: Sequence[PyTree] = (),
+        counted: list[torch.Tensor] | None = None,
     ) -> Any:
         """The state after the step whose ``scalars`` were computed, holding ``slot_trees`` and
-        ``statistic_trees``."""
+        ``statistic_trees``; ``counted``: ``next_count``'s, where it was taken before."""
         if self.stateless:
             return state
         carried = [scalars[c.name] for c in self.carried]
-        counted = [safe_increment(state.count)] if self.counted else []
+        counted = self.next_count(state) if counted is None else counted
         return self.state_type(*counted, *carried, *slot_trees, *statistic_trees)
 
 

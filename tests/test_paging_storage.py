@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fadam
-from fadam.paging import _storage, _wrapper
+from fadam.paging import _storage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -496,13 +496,13 @@ def test_a_host_paged_update_computes_its_new_state_in_the_spare_buffer(monkeypa
     # the generated kernel writes the new moments where the returned state reads them: what is copied into the spare
     # buffer afterwards is the step counts only; the numbers are the unpaged update's
     copied: list[int] = []
-    original = _wrapper.view_leaf
+    original = torch.Tensor.copy_
 
-    def viewing(buffer, place):
-        copied.append(place.nbytes)
-        return original(buffer, place)
+    def copying(target, source, *args, **kwargs):
+        copied.append(target.numel() * target.element_size())
+        return original(target, source, *args, **kwargs)
 
-    monkeypatch.setattr(_wrapper, "view_leaf", viewing)
+    monkeypatch.setattr(torch.Tensor, "copy_", copying)
     reference = fadam.adam(1e-2)
     tx = fadam.page_state(reference, storage="host", chunk_bytes=8192)
     params, state, expected_state = _params(), tx.init(_params()), reference.init(_params())

@@ -332,6 +332,10 @@ class _StorageAccess:
             serials[self.write_slot] = -1  # the slot about to be written holds no valid state until ``finish``
         else:
             self.write_commit = self.file.begin(self.read_commit, self.durable)
+            self.new_serial = self.write_commit.serial
+        # made now, not after the step: a step over more state than the caches hold leaves them cold, and even
+        # one small tensor op then costs tens of microseconds
+        self.serial = torch.tensor(self.new_serial, dtype=torch.int64)
 
     def read(self, k: int) -> torch.Tensor:
         if self.file is None:
@@ -363,9 +367,9 @@ class _StorageAccess:
         state = self.state
         if self.file is None:
             state.slot_serials[self.write_slot] = self.new_serial
-            return state._replace(serial=torch.tensor(self.new_serial, dtype=torch.int64))
-        self.file.commit(self.write_commit, [checksum.value for checksum in self.checksums], self.durable)
-        return state._replace(serial=torch.tensor(self.write_commit.serial, dtype=torch.int64))
+        else:
+            self.file.commit(self.write_commit, [checksum.value for checksum in self.checksums], self.durable)
+        return state._replace(serial=self.serial)
 
 
 def _refuse_functorch(leaves: list[Any], where: str) -> None:
@@ -983,7 +987,7 @@ def _write_back(buffer: torch.Tensor, chunk: _Chunk, new_leaves: list[Any], give
             continue
         leaf = _local(new_leaves[index])
         if leaf.data_ptr() != buffer.data_ptr() + place.offset or not leaf.is_contiguous():
-            view_leaf(buffer, place).copy_(leaf)
+            (_local(given[index]) if given else view_leaf(buffer, place)).copy_(leaf)  # ``given`` holds the views
 
 
 def _write_back_async(buffer: torch.Tensor, chunk: _Chunk, new_leaves: list[Any], stream: _Streams) -> Any:
