@@ -305,15 +305,14 @@ class _StorageAccess:
         self.state, self.file, self.durable = state, state_file, durable
         self.in_place = in_place and state_file is None  # a donated host state is updated in its own buffers
         if state_file is None:
-            serials = state.slot_serials
-            holding = (serials == state.serial).nonzero().flatten().tolist()
-            if not holding:
+            self.serials, serial = state.slot_serials.tolist(), int(state.serial)
+            if serial not in self.serials:
                 raise ValueError(
-                    f"stale paged state: it is commit {int(state.serial)}, but its buffers now hold commits "
-                    f"{serials.tolist()}; a paged state can be updated only while its buffers have not been "
-                    "overwritten (the latest state or the one before it, and not after donating it)"
+                    f"stale paged state: it is commit {serial}, but its buffers now hold commits {self.serials}; a "
+                    "paged state can be updated only while its buffers have not been overwritten (the latest state "
+                    "or the one before it, and not after donating it)"
                 )
-            self.read_slot = holding[0]
+            self.read_slot = self.serials.index(serial)
             self.write_slot = self.read_slot if self.in_place else 1 - self.read_slot
         else:
             if int(state.store_id) != state_file.file_id:
@@ -327,9 +326,8 @@ class _StorageAccess:
 
     def begin(self) -> None:
         if self.file is None:
-            serials = self.state.slot_serials
-            self.new_serial = int(serials.max()) + 1  # before the invalidation: serials are never reused
-            serials[self.write_slot] = -1  # the slot about to be written holds no valid state until ``finish``
+            self.new_serial = max(self.serials) + 1  # serials are never reused
+            self.state.slot_serials[self.write_slot] = -1  # the slot being written is invalid until ``finish``
         else:
             self.write_commit = self.file.begin(self.read_commit, self.durable)
             self.new_serial = self.write_commit.serial
