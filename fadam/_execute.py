@@ -21,6 +21,7 @@ donated step's aliasing is checked before (``fadam.step``), for all leaves at on
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 from collections.abc import Iterator
@@ -1038,11 +1039,7 @@ def _run_kernel(
         if getattr(kernel, "streamed", False):
             sums = torch.empty((len(group), len(slot_specs), 16), dtype=torch.int64)
             kernel.run(rows, values, leaf_values, sums)
-            raw = ctypes.string_at(sums.data_ptr(), sums.numel() * 8)
-            for j, leaf in enumerate(leaf for written in outputs for leaf in written):
-                data = leaf.codes if type(leaf) is QuantizedArray else leaf  # a quantized slot's sums: its codes'
-                if data.numel():  # an empty leaf may start where the next one does
-                    step.sums[data.data_ptr()] = raw[128 * j : 128 * (j + 1)]
+            _keep_sums(step.sums, outputs, ctypes.string_at(sums.data_ptr(), sums.numel() * 8))
         else:
             kernel.run(rows, values, leaf_values)
         _store(part, chosen, step, new_slots, group, outputs)
@@ -1051,6 +1048,19 @@ def _run_kernel(
                 step.new_params[i], step.applied[i], step.updates[i] = final, True, None
             else:
                 step.updates[i] = step.owned[i] = final
+
+
+def _keep_sums(found: Written, outputs: list[list[Any]], raw: bytes) -> None:
+    """Puts in ``found`` the sums a streamed kernel took of each slot leaf it wrote (``raw``: 128 bytes a slot leaf,
+    leaf by leaf as ``outputs``), by the data pointer of the leaf (of a quantized slot: of its codes)."""
+    written = [leaf.codes if type(leaf) is QuantizedArray else leaf for slots in outputs for leaf in slots]
+    kept = range(len(written))
+    if not all(map(torch.Tensor.numel, written)):  # an empty leaf may start where the next one does
+        kept = [j for j in kept if written[j].numel()]
+        written = [written[j] for j in kept]
+    checks = compiled_checks()
+    pointers = array.array("Q", checks.data_pointers([written])) if checks else [t.data_ptr() for t in written]
+    found.update(zip(pointers, [raw[128 * j : 128 * (j + 1)] for j in kept]))
 
 
 def _layout(step: _Step, i: int, slot_leaves: list[Any], spreads: Any) -> tuple:

@@ -175,7 +175,7 @@ class ChunkChecksum:
         written (16 unsigned 64-bit numbers, in memory's byte order), by the data pointer of the leaf's first
         byte."""
         checksum, base, known = cls(), buffer.data_ptr(), known or {}
-        found = [known.get(base + offset) for offset in spans.offsets]
+        found = list(map(known.get, map(base.__add__, spans.offsets)))
         missing = [i for i, sums in enumerate(found) if sums is None]
         computed = spans_sums(buffer, [(spans.offsets[i], spans.nbytes[i]) for i in missing])
         for i, sums in zip(missing, computed):

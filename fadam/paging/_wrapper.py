@@ -771,14 +771,12 @@ def page_state(
             params_all = [param_leaves[i] if donate else param_leaves[i].clone() for i in order]
             grads_all = [grad_leaves[i] for i in order]
             checked = (grads_all, params_all, _list_spec(len(order)))
-            sums: dict[int, bytes] = {}
+            sums = fetched[0].sums  # every chunk's (``_pipeline``'s table for a file mapped whole)
             result = fast_step(inner, params_all, grads_all, whole, True, into=into, checked=checked, sums=sums)
             if result is None:
                 return None
             for i, p in zip(order, result[0]):
                 new_params[i] = p
-            for chunk in fetched:
-                chunk.sums.update(sums)  # by data pointer: each chunk's checksum finds its own leaves
             return split_state(program, result[1], [chunk.state for chunk in fetched])
 
         fast_chunk = fused if fast is not None else None
@@ -873,6 +871,8 @@ def _pipeline(
     streams = {d: _Streams(d) for d in set(devices) if d.type == "cuda" and pinned}
     # a window of a file too large to stay mapped is mapped anew at every step
     state_of = buffer_views.of if access.file is None or access.file.keeps_windows else _cpu_state
+    # the chunks of a file mapped whole lie in the map at once, so one table of sums by data pointer serves them all
+    mapped_sums: dict[int, bytes] | None = {} if access.file is not None and access.file.keeps_windows else None
 
     def fetch(k: int) -> tuple[PyTree, list[Any], Any, torch.Tensor]:
         stream = streams.get(devices[k])
@@ -901,7 +901,7 @@ def _pipeline(
         buffer = access.write(k) if access.file is None else None
         working: list[torch.Tensor] = []
         given: list[Any] = []  # the leaves of the CPU working copy ``owned`` handed out, which lie in the storage
-        sums: dict[int, bytes] = {}
+        sums: dict[int, bytes] = {} if mapped_sums is None else mapped_sums
 
         def store(
             new_leaves: list[Any],
