@@ -1052,15 +1052,12 @@ def _run_kernel(
 
 def _keep_sums(found: Written, outputs: list[list[Any]], raw: bytes) -> None:
     """Puts in ``found`` the sums a streamed kernel took of each slot leaf it wrote (``raw``: 128 bytes a slot leaf,
-    leaf by leaf as ``outputs``), by the data pointer of the leaf (of a quantized slot: of its codes)."""
+    leaf by leaf as ``outputs``), by the data pointer of the leaf (of a quantized slot: of its codes). An empty leaf's
+    data pointer is null (torch's), which no checksum looks up."""
     written = [leaf.codes if type(leaf) is QuantizedArray else leaf for slots in outputs for leaf in slots]
-    kept = range(len(written))
-    if not all(map(torch.Tensor.numel, written)):  # an empty leaf may start where the next one does
-        kept = [j for j in kept if written[j].numel()]
-        written = [written[j] for j in kept]
     checks = compiled_checks()
     pointers = array.array("Q", checks.data_pointers([written])) if checks else [t.data_ptr() for t in written]
-    found.update(zip(pointers, [raw[128 * j : 128 * (j + 1)] for j in kept]))
+    found.update(zip(pointers, [raw[128 * j : 128 * (j + 1)] for j in range(len(written))]))
 
 
 def _layout(step: _Step, i: int, slot_leaves: list[Any], spreads: Any) -> tuple:
