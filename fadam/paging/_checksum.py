@@ -162,7 +162,8 @@ class Spans(NamedTuple):
 
 
 class ChunkChecksum:
-    """A chunk's checksum, fed its leaves' bytes in order of offset (``add``), or their sums (``add_sums``)."""
+    """A chunk's checksum, fed its leaves' bytes in order of offset (``add``), or taken of a chunk at once
+    (``of_leaves``)."""
 
     def __init__(self) -> None:
         self._hash = hashlib.blake2b(digest_size=8)
@@ -182,18 +183,15 @@ class ChunkChecksum:
             found[i] = sums
         if _SWAPPED:
             found = [_SUMS.pack(*_NATIVE_SUMS.unpack(sums)) for sums in found]
-        # a single update of the hash with each leaf's size and sums in turn, as ``add_sums`` leaf after leaf gives
+        # a single update of the hash with each leaf's size and sums in turn, as ``add`` leaf after leaf gives
         checksum._hash.update(b"".join(itertools.chain.from_iterable(zip(spans.packed, found))))
         checksum._empty = not found
         return checksum
 
     def add(self, data: torch.Tensor) -> None:
-        self.add_sums(data.numel(), leaf_sums(data))
-
-    def add_sums(self, nbytes: int, sums: tuple[int, ...] | bytes) -> None:
-        """Adds a leaf of ``nbytes`` by its sums: 16 numbers, or their little-endian bytes."""
-        self._hash.update(_SIZE.pack(nbytes))
-        self._hash.update(sums if isinstance(sums, bytes) else _SUMS.pack(*sums))
+        """Adds a leaf (a contiguous uint8 CPU tensor of its bytes) by its size and sums."""
+        self._hash.update(_SIZE.pack(data.numel()))
+        self._hash.update(_SUMS.pack(*leaf_sums(data)))
         self._empty = False
 
     @property
